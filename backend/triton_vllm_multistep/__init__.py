@@ -1,0 +1,1 @@
+"""Serve vLLM multi-step engines from Triton Inference Server, streaming every decoded step."""

@@ -1,0 +1,164 @@
+"""The response thread: turns engine events into Triton responses and sends them.
+
+Owns per-request response state, cancellation checks and the one-FINAL-per-request rule;
+must not call the engine except through the abort callback.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import codec
+from .engine_loop import EngineDied, EngineEvent, RequestFailed, StepOutputs
+
+logger = logging.getLogger(__name__)
+CANCEL_SWEEP_SECONDS = 0.05
+_NOTHING = object()  # queue wait timed out: time to sweep for cancellations
+
+
+@dataclass
+class RequestState:
+    """What the responder knows of one request in flight."""
+
+    sender: Any  # pb_utils InferenceResponseSender
+    request: codec.GenerationRequest
+    first: bool = True
+    last_cancel_check: float = 0.0
+
+
+class Responder:
+    """Consumes engine events on its own thread; every registered request gets one FINAL."""
+
+    def __init__(self, pb_utils: Any, abort: Callable[[str], None], observer: Any = None) -> None:
+        self._pb = pb_utils
+        self._abort = abort
+        self._observer = observer
+        self._states: dict[str, RequestState] = {}
+        self._lock = threading.Lock()
+        self._events: queue.SimpleQueue[EngineEvent | None] = queue.SimpleQueue()
+        self._final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        self._thread = threading.Thread(target=self._run, name="triton-responder", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, reason: str, timeout: float = 10.0) -> None:
+        """Fail whatever is still in flight (server shutting down), then end the thread."""
+        self._events.put(EngineDied(reason, []))
+        self._events.put(None)
+        self._thread.join(timeout)
+
+    def post(self, event: EngineEvent) -> None:
+        """Called from the engine thread: a queue put, nothing more."""
+        self._events.put(event)
+
+    def register(self, request_id: str, state: RequestState) -> None:
+        with self._lock:
+            self._states[request_id] = state
+
+    def in_flight(self) -> int:
+        return len(self._states)
+
+    def error_response(self, message: str, code: Any) -> Any:
+        return self._pb.InferenceResponse(error=self._pb.TritonError(message, code))
+
+    def send_error(self, sender: Any, message: str, code: Any) -> None:
+        """One error response flagged FINAL, to a request that never got into the engine."""
+        try:
+            sender.send(self.error_response(message, code), flags=self._final)
+        except Exception:
+            logger.warning("could not send error response: %s", message)
+
+    def _finish_with_error(self, request_id: str, message: str, code: Any) -> None:
+        with self._lock:
+            state = self._states.pop(request_id, None)
+        if state is not None:
+            self.send_error(state.sender, message, code)
+
+    def _run(self) -> None:
+        last_sweep = time.monotonic()
+        while True:
+            try:
+                event = self._events.get(timeout=CANCEL_SWEEP_SECONDS)
+            except queue.Empty:
+                event = _NOTHING
+            if event is None:
+                return
+            if event is not _NOTHING:
+                try:
+                    self._handle(event)
+                except Exception:
+                    logger.exception("responder failed on %s", type(event).__name__)
+            now = time.monotonic()
+            if now - last_sweep >= CANCEL_SWEEP_SECONDS:
+                last_sweep = now
+                self._sweep_cancelled()
+
+    def _handle(self, event: EngineEvent) -> None:
+        if isinstance(event, StepOutputs):
+            self._send_outputs(event)
+        elif isinstance(event, RequestFailed):
+            self._finish_with_error(event.request_id, event.message, self._pb.TritonError.INVALID_ARG)
+        elif isinstance(event, EngineDied):
+            with self._lock:
+                lost = list(self._states)
+            for request_id in lost:
+                self._finish_with_error(request_id, event.message, self._pb.TritonError.UNAVAILABLE)
+
+    def _send_outputs(self, event: StepOutputs) -> None:
+        now = time.monotonic()
+        for output in event.outputs:
+            state = self._states.get(output.request_id)
+            if state is None:
+                continue  # aborted or cancelled: its FINAL is already sent
+            finished = output.finished
+            if not finished and self._cancelled(output.request_id, state, now):
+                continue
+            try:
+                arrays = codec.encode_response(output, state.request, state.first)
+                response = self._pb.InferenceResponse(
+                    output_tensors=[self._pb.Tensor(name, array) for name, array in arrays.items()]
+                )
+            except Exception as error:
+                logger.exception("could not encode response for %s", output.request_id)
+                self._abort(output.request_id)
+                self._finish_with_error(
+                    output.request_id, f"internal error encoding the response: {error}", self._pb.TritonError.INTERNAL
+                )
+                continue
+            state.first = False
+            if finished:
+                with self._lock:
+                    self._states.pop(output.request_id, None)
+            try:
+                state.sender.send(response, flags=self._final if finished else 0)
+            except Exception:
+                logger.info("client of %s is gone; aborting it", output.request_id)
+                if not finished:
+                    self._abort(output.request_id)
+                    with self._lock:
+                        self._states.pop(output.request_id, None)
+            if self._observer is not None:
+                self._observer.on_response(output, state.request, event, finished)
+
+    def _cancelled(self, request_id: str, state: RequestState, now: float) -> bool:
+        state.last_cancel_check = now
+        if not state.sender.is_cancelled():
+            return False
+        self._abort(request_id)
+        self._finish_with_error(request_id, "request cancelled by the client", self._pb.TritonError.CANCELLED)
+        return True
+
+    def _sweep_cancelled(self) -> None:
+        """Requests that produced nothing lately (queued, or non-streaming) are checked here."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [(rid, s) for rid, s in self._states.items() if now - s.last_cancel_check > CANCEL_SWEEP_SECONDS]
+        for request_id, state in stale:
+            self._cancelled(request_id, state, now)

@@ -1,0 +1,165 @@
+"""One model instance: config → engine + engine thread + response thread; Triton's entry points.
+
+Owns wiring the pieces together and the Triton-facing lifecycle (auto-complete, initialize,
+execute, finalize); must not parse inputs (codec) or drive the engine (engine_loop).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import codec, config
+from .device import instance_device_environment
+
+logger = logging.getLogger("triton_vllm_multistep")
+if not logger.handlers:  # the stub's stderr is Triton's log; say who is speaking
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+# (name, Triton type, dims, optional) for auto_complete_config; mirrors Triton's vLLM backend.
+INPUTS = [
+    ("text_input", "TYPE_STRING", [1], True),
+    ("input_ids", "TYPE_INT32", [-1], True),
+    ("stream", "TYPE_BOOL", [1], True),
+    ("sampling_parameters", "TYPE_STRING", [1], True),
+    ("exclude_input_in_output", "TYPE_BOOL", [1], True),
+    *((name, "TYPE_BOOL", [1], True) for name in codec.RETURN_FLAGS),
+]
+OUTPUTS = [
+    ("text_output", "TYPE_STRING", [-1]),
+    ("output_ids", "TYPE_INT32", [-1]),
+    ("finish_reason", "TYPE_STRING", [-1]),
+    ("cumulative_logprob", "TYPE_FP32", [-1]),
+    ("logprobs", "TYPE_STRING", [-1]),
+    ("num_input_tokens", "TYPE_UINT32", [1]),
+    ("num_output_tokens", "TYPE_UINT32", [-1]),
+]
+INPUT_NAMES = [name for name, *_ in INPUTS]
+
+
+def auto_complete(auto_config: Any) -> Any:
+    """Fill in what config.pbtxt leaves out: decoupled policy, no batching, the tensors."""
+    current = auto_config.as_dict()
+    have_inputs = {i["name"] for i in current.get("input", [])}
+    have_outputs = {o["name"] for o in current.get("output", [])}
+    for name, dtype, dims, optional in INPUTS:
+        if name not in have_inputs:
+            auto_config.add_input({"name": name, "data_type": dtype, "dims": dims, "optional": optional})
+    for name, dtype, dims in OUTPUTS:
+        if name not in have_outputs:
+            auto_config.add_output({"name": name, "data_type": dtype, "dims": dims})
+    auto_config.set_max_batch_size(0)
+    auto_config.set_model_transaction_policy({"decoupled": True})
+    return auto_config
+
+
+class ModelServer:
+    """Everything one Triton model instance runs."""
+
+    def __init__(self, pb_utils: Any, args: dict[str, str]) -> None:
+        from .engine_factory import build_engine
+        from .engine_loop import EngineLoop
+        from .responder import Responder
+
+        self._pb = pb_utils
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise config.ConfigError("model_transaction_policy { decoupled: true } is required: this backend streams")
+        model_dir = Path(args["model_repository"])
+        engine_json = config.load_engine_json(model_dir, args.get("model_version", "1"))
+        self.settings = config.backend_settings(model_config, engine_json)
+        engine_args = config.engine_args(engine_json, model_dir, self.settings)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.settings.cpu_kvcache_space_gib))
+        parallel = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
+        os.environ.update(
+            instance_device_environment(
+                args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0)), parallel
+            )
+        )
+        self.engine = build_engine(engine_args, stream_per_step=self.settings.stream_per_step)
+        self._tokenizer = self._load_tokenizer(engine_args)
+        model = self.engine.model_config
+        tokenizer_vocab = getattr(self._tokenizer, "max_token_id", len(self._tokenizer) - 1) + 1
+        self.limits = codec.ModelLimits(
+            vocab_size=min(model.get_vocab_size(), tokenizer_vocab),
+            max_model_len=model.max_model_len,
+            limits=self.settings.limits,
+        )
+        self.responder = Responder(pb_utils, abort=lambda rid: self.loop.abort(rid))
+        self.loop = EngineLoop(self.engine, sink=self.responder.post)
+        self.responder.start()
+        self.loop.start()
+        logger.info(
+            "vllm_multistep: model %s ready: num_scheduler_steps=%d, streaming per %s",
+            model.model,
+            self.engine.scheduler_config.num_scheduler_steps,
+            "step" if self.settings.stream_per_step else "scheduling window",
+        )
+
+    @staticmethod
+    def _load_tokenizer(engine_args: Any) -> Any:
+        """A tokenizer of our own for execute(): fast tokenizers are not safe to share across threads."""
+        from vllm.transformers_utils.tokenizer import get_tokenizer
+
+        return get_tokenizer(
+            engine_args.tokenizer or engine_args.model,
+            tokenizer_mode=engine_args.tokenizer_mode,
+            trust_remote_code=engine_args.trust_remote_code,
+            revision=engine_args.tokenizer_revision,
+        )
+
+    def _inputs(self, request: Any) -> dict[str, np.ndarray]:
+        inputs = {}
+        for name in INPUT_NAMES:
+            tensor = self._pb.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                inputs[name] = tensor.as_numpy()
+        return inputs
+
+    def execute(self, requests: list[Any]) -> None:
+        """Validate and enqueue; responses come from the responder thread."""
+        from .responder import RequestState
+
+        for request in requests:
+            sender = request.get_response_sender()
+            if not self.loop.healthy:
+                self.responder.send_error(
+                    sender, self.loop.error or "the engine is not running", self._pb.TritonError.UNAVAILABLE
+                )
+                continue
+            try:
+                generation = codec.decode_request(
+                    self._inputs(request),
+                    request.parameters(),
+                    self.limits,
+                    encode=self._tokenizer.encode,
+                    decode=self._tokenizer.decode,
+                )
+            except codec.RequestError as error:
+                self.responder.send_error(sender, str(error), self._pb.TritonError.INVALID_ARG)
+                continue
+            except Exception as error:
+                logger.exception("unexpected error decoding a request")
+                self.responder.send_error(sender, f"invalid request: {error}", self._pb.TritonError.INVALID_ARG)
+                continue
+            request_id = request.request_id() or ""
+            engine_id = f"{request_id}-{uuid.uuid4().hex}" if request_id else uuid.uuid4().hex
+            self.responder.register(engine_id, RequestState(sender=sender, request=generation))
+            self.loop.submit(engine_id, generation.prompt_token_ids, generation.sampling_params)
+
+    def close(self) -> None:
+        self.loop.stop()
+        self.responder.stop("the model is being unloaded")
+        executor = getattr(self.engine, "model_executor", None)
+        if executor is not None:
+            executor.shutdown()

@@ -1,0 +1,65 @@
+"""Stream a completion from the LLM model over gRPC (tritonclient.grpc), printing tokens as they arrive.
+
+python client_examples/grpc_stream.py "The model streams" --max-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+
+def build_inputs(prompt: str, sampling: dict, stream: bool = True) -> list[grpcclient.InferInput]:
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
+    stream_flag = grpcclient.InferInput("stream", [1], "BOOL")
+    stream_flag.set_data_from_numpy(np.array([stream]))
+    params = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
+    params.set_data_from_numpy(np.array([json.dumps(sampling).encode()], dtype=np.object_))
+    return [text, stream_flag, params]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("prompt", nargs="?", default="The model streams")
+    parser.add_argument("--url", default="localhost:8001")
+    parser.add_argument("--model", default="vllm_model")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    args = parser.parse_args()
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(args.url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    client.async_stream_infer(args.model, build_inputs(args.prompt, sampling), enable_empty_final_response=True)
+    status = 0
+    while True:
+        result, error = responses.get()
+        if error is not None:
+            print(f"\nerror: {error}", file=sys.stderr)
+            status = 1
+            break
+        response = result.get_response()
+        output = result.as_numpy("text_output")
+        if output is not None:
+            print(output[0].decode("utf-8"), end="", flush=True)
+        if response.parameters["triton_final_response"].bool_param:
+            break
+    print()
+    client.stop_stream()
+    return status
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except InferenceServerException as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
