@@ -15,19 +15,20 @@ from typing import Any
 os.environ["VLLM_USE_V1"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from vllm import EngineArgs, SamplingParams  # noqa: E402
-from vllm.sequence import SequenceData, SequenceGroupMetadata  # noqa: E402
-
-from triton_vllm_multistep import demo_models  # noqa: E402
-from triton_vllm_multistep.cpu_multistep import (  # noqa: E402
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from triton_vllm_multistep import demo_models
+from triton_vllm_multistep.cpu_multistep import (
     CPUMultiStepEngine,
     advance_decode_input,
 )
-from triton_vllm_multistep.engine_factory import build_engine  # noqa: E402
+from triton_vllm_multistep.engine_factory import build_engine
+from vllm import EngineArgs, SamplingParams
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.sequence import SequenceData, SequenceGroupMetadata
 
 STEPS = (1, 4, 8, 16)
 LOGPROB_TOLERANCE = 5e-3
@@ -89,6 +90,14 @@ def _mixed_requests() -> list[tuple[int, Request]]:
             ),
         ),
         (0, ("abort", "bright stars in winter", SamplingParams(max_tokens=30, **greedy))),
+        (
+            0,
+            (
+                "delta",
+                "the quick brown fox",
+                SamplingParams(max_tokens=20, stop=["42"], output_kind=RequestOutputKind.DELTA, **greedy),
+            ),
+        ),
         # Greedy "people write code" repeats one token; penalties must see each step's token.
         (
             3,
@@ -121,9 +130,7 @@ def _preemption_requests() -> list[Request]:
     prompts = ["hello world", "the quick brown fox", "cats sleep near warm windows"]
     requests = []
     for i in range(12):
-        params = SamplingParams(
-            max_tokens=40 + i % 5, temperature=0.0, repetition_penalty=1.0 + 0.2 * (i % 3)
-        )
+        params = SamplingParams(max_tokens=40 + i % 5, temperature=0.0, repetition_penalty=1.0 + 0.2 * (i % 3))
         requests.append((f"preempt-{i}", f"{prompts[i % 3]} {i}", params))
     return requests
 
@@ -135,6 +142,8 @@ class Run:
     finals: dict[str, Any] = field(default_factory=dict)  # request id -> final RequestOutput
     counts: dict[str, int] = field(default_factory=dict)  # request id -> outputs yielded
     streamed_tokens: dict[str, list[int]] = field(default_factory=dict)  # last tokens seen
+    # DELTA requests: tokens and text put together from every output.
+    accumulated: dict[str, tuple[list[int], str]] = field(default_factory=dict)
     preemptions_mixed: int = 0
     preemptions_total: int = 0
     log: list[str] = field(default_factory=list)
@@ -151,6 +160,9 @@ def _drive(engine: Any, run: Run, arrivals: list[tuple[int, Request]]) -> None:
         for out in engine.step():
             run.counts[out.request_id] = run.counts.get(out.request_id, 0) + 1
             run.streamed_tokens[out.request_id] = list(out.outputs[0].token_ids)
+            if out.request_id == "delta":
+                tokens, text = run.accumulated.get("delta", ([], ""))
+                run.accumulated["delta"] = (tokens + list(out.outputs[0].token_ids), text + out.outputs[0].text)
             if out.finished:
                 run.finals[out.request_id] = out
         step += 1
@@ -235,6 +247,9 @@ def _check_reference_exercises_workload(reference: Run) -> None:
     assert 2 in finals["ignore-eos"].outputs[0].token_ids  # went past EOS
     assert len(finals["min-tokens"].outputs[0].token_ids) >= 7
     assert "abort" not in finals
+    tokens, text = reference.accumulated["delta"]
+    assert tokens == list(finals["stop-str"].outputs[0].token_ids)
+    assert text == finals["stop-str"].outputs[0].text
     assert reference.preemptions_mixed == 0
     assert reference.preemptions_total > 0
 
@@ -254,7 +269,7 @@ def _assert_logprobs_close(expected: Any, actual: Any, what: str) -> None:
             assert diff <= LOGPROB_TOLERANCE, f"{what} at {position}, token {token}: {diff}"
 
 
-def _assert_same_results(reference: Run, run: Run, steps: int) -> None:
+def _assert_same_results(reference: Run, run: Run, steps: int, streamed: bool = True) -> None:
     assert set(run.finals) == set(reference.finals), f"steps={steps}: finished requests differ"
     for request_id, want in reference.finals.items():
         got = run.finals[request_id]
@@ -266,12 +281,17 @@ def _assert_same_results(reference: Run, run: Run, steps: int) -> None:
             assert got_out.stop_reason == want_out.stop_reason, what
             assert got_out.text == want_out.text, what
             _assert_logprobs_close(want_out.logprobs, got_out.logprobs, f"{what} logprobs")
-        _assert_logprobs_close(
-            want.prompt_logprobs, got.prompt_logprobs, f"{what} prompt logprobs"
-        )
-    # The aborted request streamed the same tokens before it was aborted.
-    assert run.streamed_tokens["abort"] == reference.streamed_tokens["abort"], steps
-    assert len(run.streamed_tokens["abort"]) == ABORT_AFTER_OUTPUTS
+        _assert_logprobs_close(want.prompt_logprobs, got.prompt_logprobs, f"{what} prompt logprobs")
+    assert run.accumulated["delta"] == reference.accumulated["delta"], steps
+    # The aborted request streamed the same tokens before it was aborted (when per step, the
+    # abort lands after the same number of tokens; once per window, after a whole window).
+    aborted = run.streamed_tokens["abort"]
+    reference_aborted = reference.streamed_tokens["abort"]
+    if streamed:
+        assert aborted == reference_aborted, steps
+        assert len(aborted) == ABORT_AFTER_OUTPUTS
+    else:
+        assert aborted[: len(reference_aborted)] == reference_aborted, steps
 
 
 def test_reference_run_exercises_every_feature(runs: dict[int, Run]) -> None:
@@ -310,7 +330,7 @@ def test_window_outputs_without_per_step_streaming(demo_path: str, runs: dict[in
     run, engine = _build_and_run(demo_path, 8, stream_per_step=False)
     del engine
     gc.collect()
-    _assert_same_results(runs[1], run, 8)
+    _assert_same_results(runs[1], run, 8, streamed=False)
     for request_id in ("greedy", "penalties", "eos"):
         assert run.counts[request_id] < runs[1].counts[request_id], request_id
 
@@ -400,7 +420,7 @@ def test_advance_matches_fresh_preparation(
 
     current = runner.prepare_model_input(_decode_metadata(seqs))
     advance_decode_input(current, sampled, block_size)
-    grown = [(tokens + [int(t)], blocks) for (tokens, blocks), t in zip(seqs, sampled.view(-1))]
+    grown = [([*tokens, int(t)], blocks) for (tokens, blocks), t in zip(seqs, sampled.view(-1), strict=True)]
     fresh = runner.prepare_model_input(_decode_metadata(grown))
 
     assert torch.equal(current.input_tokens, fresh.input_tokens)
@@ -410,3 +430,29 @@ def test_advance_matches_fresh_preparation(
     assert torch.equal(a.seq_lens_tensor, b.seq_lens_tensor)
     assert a.max_decode_seq_len == b.max_decode_seq_len
     assert torch.equal(a.block_tables, b.block_tables)
+
+
+def test_lean_request_output_matches_vllm(engine16: CPUMultiStepEngine) -> None:
+    """The per-step output the engine builds itself equals vLLM's `from_seq_group` output."""
+    requests = {
+        "plain": SamplingParams(max_tokens=12, temperature=0.0),
+        "logprobs": SamplingParams(max_tokens=12, logprobs=2, prompt_logprobs=1, temperature=0.0),
+        "stop-buffer": SamplingParams(max_tokens=12, stop=["zzzz"], temperature=0.0),
+    }
+    for request_id, params in requests.items():
+        engine16.add_request(request_id, "the quick brown fox", params)
+    for _ in range(4):  # the prefill, then into the decode window
+        engine16.step()
+    assert _window_step(engine16) == 3
+    compared = 0
+    for seq_group in list(engine16.scheduler[0].running):
+        seq = seq_group.seqs[0]
+        ours = engine16._request_output(seq_group, seq, seq_group.sampling_params, False)
+        theirs = RequestOutput.from_seq_group(seq_group, False, {})
+        assert ours is not None and theirs is not None
+        assert vars(ours) == vars(theirs), seq_group.request_id
+        compared += 1
+    assert compared == len(requests)
+    for request_id in requests:
+        engine16.abort_request(request_id)
+    engine16.step()

@@ -290,6 +290,8 @@ def decode_request(
     prompt_text: str | None = None
     if has_text:
         prompt_text = _text("text_input", inputs["text_input"])
+        if not prompt_text:
+            raise RequestError("the prompt has no tokens: 'text_input' is empty")
         prompt_ids = encode(prompt_text)
     else:
         array = inputs["input_ids"]

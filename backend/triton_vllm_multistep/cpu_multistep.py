@@ -7,6 +7,7 @@ output processing; must not edit or patch vLLM's modules, and is never used on C
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,12 +21,18 @@ from vllm.model_executor.layers.sampler import (
     get_pythonized_sample_results,
 )
 from vllm.model_executor.sampling_metadata import SamplingMetadata
+from vllm.outputs import CompletionOutput, RequestOutput, RequestOutputFactory
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.sequence import (
     CompletionSequenceGroupOutput,
     ExecuteModelRequest,
     Logprob,
+    Sequence,
+    SequenceGroup,
     SequenceOutput,
+    SequenceStatus,
 )
+from vllm.transformers_utils.detokenizer_utils import detokenize_incrementally
 from vllm.utils import weak_bind
 from vllm.worker.cpu_model_runner import CPUModelRunner, ModelInputForCPUWithSamplingMetadata
 from vllm.worker.cpu_worker import CPUWorker
@@ -297,7 +304,7 @@ class CPUMultiStepEngine(LLMEngine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         worker = self.driver_worker()
-        worker.set_step_output_callback(weak_bind(self._process_intermediate_step))
+        worker.set_step_output_callback(weak_bind(self._on_step_output))
 
     def driver_worker(self) -> CPUMultiStepWorker:
         """The worker in this process whose runner samples (rank 0)."""
@@ -310,18 +317,127 @@ class CPUMultiStepEngine(LLMEngine):
             )
         return worker
 
+    def _on_step_output(self, output: SamplerOutput, is_first_step: bool) -> None:
+        # Looked up per call (not bound once) so that benchmarks can time it.
+        self._process_intermediate_step(output, is_first_step)
+
     def _process_intermediate_step(self, output: SamplerOutput, is_first_step: bool) -> None:
+        """Apply one intermediate step of the window: the lean form of `_process_model_outputs`.
+
+        Per sequence it does only what that step changes (append the token, count it computed,
+        detokenize, check stops, build the streamed output); the scheduler is touched only when a
+        request finished. Prompt logprobs and prefills never reach here: prefills run in windows
+        of one step, whose output takes vLLM's path in `step()`.
+        """
         ctx = self.scheduler_contexts[0]
-        assert ctx.seq_group_metadata_list is not None and ctx.scheduler_outputs is not None
-        ctx.append_output(
-            outputs=[output],
-            seq_group_metadata_list=ctx.seq_group_metadata_list,
-            scheduler_outputs=ctx.scheduler_outputs,
-            is_async=False,
-            is_last_step=False,
-            is_first_step_output=is_first_step,
+        assert ctx.scheduler_outputs is not None
+        scheduled = ctx.scheduler_outputs.scheduled_seq_groups
+        stream = ctx.multi_step_stream_outputs
+        stop_checker = self.output_processor.stop_checker  # type: ignore[attr-defined]
+        detokenize = self.detokenizer is not None
+        tokenizer = self.get_tokenizer() if detokenize else None
+        request_outputs = ctx.request_outputs
+        now = time.time()
+        any_finished = False
+        for scheduled_group, group_output in zip(scheduled, output.outputs, strict=True):
+            seq_group = scheduled_group.seq_group
+            if seq_group.is_finished():  # finished earlier in the window, or aborted
+                continue
+            # One sequence per group: n > 1 is fanned out into groups of one by vLLM.
+            seq = seq_group.seqs[0]
+            sample = group_output.samples[0]
+            seq.append_token_id(sample.output_token, sample.logprobs)
+            seq.data.update_num_computed_tokens(1)
+            params = seq_group.sampling_params
+            new_chars = 0
+            if detokenize and params.detokenize:
+                new_chars = self._detokenize(tokenizer, seq, params)
+            stop_checker.maybe_stop_sequence(seq, new_char_count=new_chars, sampling_params=params)
+            finished = seq.is_finished()
+            any_finished |= finished
+            if not (stream or finished):
+                continue
+            seq_group.set_last_token_time(now)
+            request_output = self._request_output(seq_group, seq, params, finished)
+            if request_output is not None:
+                request_outputs.append(request_output)
+        if any_finished:
+            for scheduler in self.scheduler:
+                scheduler.free_finished_seq_groups()
+        if request_outputs and self.process_request_outputs_callback is not None:
+            self.process_request_outputs_callback(request_outputs)
+            request_outputs.clear()
+
+    def _detokenize(self, tokenizer: Any, seq: Sequence, params: SamplingParams) -> int:
+        """Detokenize the sequence's new token in place; returns the number of new characters.
+
+        vLLM's `decode_sequence_inplace` also names every token of the step's logprobs, which
+        here are only placeholders unless the request asked for logprobs: skip that part then.
+        """
+        if params.logprobs is not None or seq.tokens is None:
+            assert self.detokenizer is not None
+            return self.detokenizer.decode_sequence_inplace(seq, params)
+        new_tokens, new_text, prefix_offset, read_offset = detokenize_incrementally(
+            tokenizer=tokenizer,
+            all_input_ids=seq.get_token_ids(),
+            prev_tokens=seq.tokens,
+            prefix_offset=seq.prefix_offset,
+            read_offset=seq.read_offset,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
-        self._process_model_outputs(ctx=ctx)
+        seq.tokens.extend(new_tokens)
+        seq.prefix_offset = prefix_offset
+        seq.read_offset = read_offset
+        seq.output_text += new_text
+        return len(new_text)
+
+    def _request_output(
+        self, seq_group: SequenceGroup, seq: Sequence, params: SamplingParams, finished: bool
+    ) -> RequestOutput | None:
+        """`RequestOutput.from_seq_group` for a text-only group of one sequence, minus the work
+        that only multimodal, parallel-sampled or cached outputs need; others go to vLLM's."""
+        if (
+            self.use_cached_outputs
+            or params.output_kind == RequestOutputKind.FINAL_ONLY
+            or seq_group.request_id in self.seq_id_to_seq_group
+            or seq_group.encoder_seq is not None
+            or seq.inputs["type"] == "multimodal"
+        ):
+            return RequestOutputFactory.create(seq_group, self.seq_id_to_seq_group, use_cache=self.use_cached_outputs)
+        delta = params.output_kind == RequestOutputKind.DELTA
+        text = seq.get_output_text_to_return(params.output_text_buffer_length, delta)
+        token_ids = seq.get_output_token_ids_to_return(delta)
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        include_logprobs = params.logprobs is not None
+        logprobs = seq.output_logprobs if include_logprobs else None
+        include_prompt = True
+        if delta:
+            if logprobs:
+                logprobs = logprobs[-len(token_ids) :] if token_ids else None
+            include_prompt = seq.get_output_len() <= len(token_ids)
+        completion = CompletionOutput(
+            0,
+            text,
+            token_ids,
+            seq.get_cumulative_logprob() if include_logprobs else None,
+            logprobs,
+            SequenceStatus.get_finished_reason(seq.status),
+            seq.stop_reason,
+        )
+        seq_group.set_finished_time(time.time() if finished else None)
+        return RequestOutput(
+            request_id=seq_group.request_id,
+            prompt=seq_group.prompt if include_prompt else None,
+            prompt_token_ids=seq_group.prompt_token_ids if include_prompt else None,
+            prompt_logprobs=seq_group.prompt_logprobs if include_prompt else None,
+            outputs=[completion],
+            finished=finished,
+            metrics=seq_group.metrics,
+            lora_request=seq_group.lora_request,
+            num_cached_tokens=seq.data.get_num_cached_tokens(),
+        )
 
     def step(self) -> list[Any]:
         self._close_finished_window()

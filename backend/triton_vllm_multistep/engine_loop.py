@@ -74,11 +74,14 @@ class EngineLoop:
         self,
         engine: LLMEngine,
         sink: Callable[[EngineEvent], None],
-        on_idle: Callable[[KvCacheStats], None] | None = None,
+        on_state: Callable[[KvCacheStats], None] | None = None,
+        state_interval: float = 0.25,
     ) -> None:
         self._engine = engine
         self._sink = sink
-        self._on_idle = on_idle
+        self._on_state = on_state
+        self._state_interval = state_interval
+        self._state_reported_at = 0.0
         self._admissions: deque[_Admission] = deque()
         self._aborts: deque[str] = deque()
         self._wake = threading.Event()
@@ -135,14 +138,27 @@ class EngineLoop:
             else:
                 self._in_engine.add(item.request_id)
 
+    def _report_state(self, force: bool = False) -> None:
+        """Engine gauges at most every `state_interval` s while busy; once when going idle."""
+        if self._on_state is None:
+            return
+        now = time.monotonic()
+        if force and self._state_reported_at < 0:
+            return  # already reported this idle period
+        if force or now - self._state_reported_at >= self._state_interval:
+            self._state_reported_at = -1.0 if force else now
+            try:
+                self._on_state(self.kv_cache_stats())
+            except Exception:
+                logger.exception("reporting engine state failed")
+
     def _run(self) -> None:
         engine = self._engine
         try:
             while not self._stopping:
                 self._admit_and_abort()
                 if not engine.has_unfinished_requests():
-                    if self._on_idle is not None:
-                        self._on_idle(self.kv_cache_stats())
+                    self._report_state(force=True)
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
@@ -154,6 +170,7 @@ class EngineLoop:
                             self._in_engine.discard(output.request_id)
                     # V0 reuses and clears the returned list on the next step: hand over a copy.
                     self._sink(StepOutputs(list(outputs), time.perf_counter() - started))
+                self._report_state()
         except BaseException as error:
             self.error = f"vLLM engine failed: {type(error).__name__}: {error}"
             logger.error("%s\n%s", self.error, traceback.format_exc())

@@ -96,7 +96,16 @@ class ModelServer:
             limits=self.settings.limits,
         )
         self.responder = Responder(pb_utils, abort=lambda rid: self.loop.abort(rid))
-        self.loop = EngineLoop(self.engine, sink=self.responder.post)
+        self.metrics = None
+        if self.settings.enable_metrics:
+            from .metrics import BackendMetrics
+
+            self.metrics = BackendMetrics(pb_utils, model_config["name"], str(args.get("model_version", "1")))
+        self.loop = EngineLoop(
+            self.engine,
+            sink=self.responder.post,
+            on_state=self.metrics.update_engine_state if self.metrics else None,
+        )
         self.responder.start()
         self.loop.start()
         logger.info(

@@ -1,0 +1,72 @@
+"""Shared fixtures: demo models and one real tritonserver for the whole session.
+
+The server serves a copy of the shipped model_repository/ plus test variants of the LLM
+model (the other tokenizer; single-step scheduling) so both demo tokenizers are covered.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_USE_V1", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from server_process import ServerProcess, start_server
+from triton_vllm_multistep import demo_models
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_REPOSITORY = REPO_ROOT / "model_repository"
+LLM_MODEL = "vllm_model"
+# Test variants of the shipped LLM model: name → model.json overrides.
+LLM_VARIANTS = {
+    "vllm_model_spm": {"model": "demo://tiny-llama-spm"},
+    "vllm_model_steps1": {"num_scheduler_steps": 1},
+    "vllm_model_window": {},  # per-window streaming, set in its config below
+}
+TOKENIZER_MODELS = {"bytelevel": LLM_MODEL, "metaspace": "vllm_model_spm"}
+
+
+@pytest.fixture(scope="session")
+def demo_model_paths() -> dict[str, Path]:
+    return {name: demo_models.build(name) for name in demo_models.DEMO_MODELS}
+
+
+def _add_variant(repository: Path, name: str, overrides: dict) -> None:
+    source = repository / LLM_MODEL
+    target = repository / name
+    shutil.copytree(source, target)
+    engine = json.loads((source / "1" / "model.json").read_text())
+    (target / "1" / "model.json").write_text(json.dumps(engine | overrides, indent=1))
+    if name == "vllm_model_window":
+        for config in (target / "config.pbtxt", target / "configs" / "cpu.pbtxt"):
+            config.write_text(config.read_text().replace('string_value: "step"', 'string_value: "window"'))
+
+
+@pytest.fixture(scope="session")
+def model_repository(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> Path:
+    repository = tmp_path_factory.mktemp("model_repository")
+    shutil.rmtree(repository)
+    shutil.copytree(SHIPPED_REPOSITORY, repository)
+    for name, overrides in LLM_VARIANTS.items():
+        _add_variant(repository, name, overrides)
+    return repository
+
+
+@pytest.fixture(scope="session")
+def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One real tritonserver (via the launcher) for every end-to-end test of the session."""
+    log = tmp_path_factory.mktemp("server-log") / "tritonserver.log"
+    handle = start_server(model_repository, log)
+    try:
+        handle.wait_ready(timeout=600)
+        yield handle
+    finally:
+        handle.stop()
+        if os.environ.get("CI"):
+            print(f"\n--- tritonserver log tail ---\n{handle.log_tail(40)}")

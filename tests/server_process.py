@@ -1,0 +1,111 @@
+"""Starting and stopping a real tritonserver through the project's launcher, for tests.
+
+Owns ports, readiness polling and clean shutdown; knows nothing about the models served.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import requests
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@dataclass
+class ServerProcess:
+    """A launcher process (and through it tritonserver) with its ports and log."""
+
+    process: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    log_path: Path
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def log_tail(self, lines: int = 60) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def is_ready(self) -> bool:
+        try:
+            return requests.get(f"{self.http_url}/v2/health/ready", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def wait_ready(self, timeout: float = 300.0) -> float:
+        """Seconds until READY; raises with the log tail if the server exits or never gets there."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
+            if self.is_ready():
+                return time.monotonic() - started
+            time.sleep(0.25)
+        raise TimeoutError(f"server not ready within {timeout} s:\n{self.log_tail()}")
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM the launcher (which forwards it); returns its exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        return self.process.returncode
+
+
+def start_server(repository: Path, log_path: Path, *extra_args: str, env: dict | None = None) -> ServerProcess:
+    http_port, grpc_port, metrics_port = free_ports(3)
+    command = [
+        sys.executable,
+        "-m",
+        "triton_vllm_multistep",
+        "serve",
+        f"--model-repository={repository}",
+        f"--http-port={http_port}",
+        f"--grpc-port={grpc_port}",
+        f"--metrics-port={metrics_port}",
+        *extra_args,
+    ]
+    environment = dict(os.environ)
+    environment.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    environment.update(env or {})
+    log = log_path.open("w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment)
+    return ServerProcess(process, http_port, grpc_port, metrics_port, log_path)

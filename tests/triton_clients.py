@@ -1,0 +1,167 @@
+"""Test-side clients for the real server: gRPC streaming (sync and aio) and HTTP generate.
+
+Each call collects every response of one request so tests can check counts, deltas and FINALs.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import requests
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+
+BOOL_FLAGS = (
+    "stream",
+    "exclude_input_in_output",
+    "return_finish_reason",
+    "return_cumulative_logprob",
+    "return_logprobs",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+)
+
+
+@dataclass
+class StreamResult:
+    """Everything one request received."""
+
+    responses: list[dict[str, np.ndarray]] = field(default_factory=list)
+    finals: int = 0
+    error: str | None = None
+    first_response_at: float | None = None
+    started_at: float = 0.0
+
+    @property
+    def data_responses(self) -> list[dict[str, np.ndarray]]:
+        return [r for r in self.responses if r]
+
+    def text(self, index: int = 0) -> str:
+        return "".join(r["text_output"][index].decode("utf-8") for r in self.data_responses)
+
+    def token_ids(self) -> list[int]:
+        return [int(t) for r in self.data_responses for t in r["output_ids"]]
+
+
+def make_inputs(
+    module: Any,
+    prompt: str | None = None,
+    input_ids: list[int] | None = None,
+    sampling: dict | str | None = None,
+    **flags: bool,
+) -> list[Any]:
+    """InferInputs for the LLM model; `module` is tritonclient.grpc or tritonclient.grpc.aio."""
+    inputs = []
+    if prompt is not None:
+        item = module.InferInput("text_input", [1], "BYTES")
+        item.set_data_from_numpy(np.array([prompt.encode("utf-8")], dtype=np.object_))
+        inputs.append(item)
+    if input_ids is not None:
+        item = module.InferInput("input_ids", [len(input_ids)], "INT32")
+        item.set_data_from_numpy(np.array(input_ids, dtype=np.int32))
+        inputs.append(item)
+    if sampling is not None:
+        text = sampling if isinstance(sampling, str) else json.dumps(sampling)
+        item = module.InferInput("sampling_parameters", [1], "BYTES")
+        item.set_data_from_numpy(np.array([text.encode("utf-8")], dtype=np.object_))
+        inputs.append(item)
+    for name, value in flags.items():
+        assert name in BOOL_FLAGS, name
+        item = module.InferInput(name, [1], "BOOL")
+        item.set_data_from_numpy(np.array([value]))
+        inputs.append(item)
+    return inputs
+
+
+def _arrays(result: Any) -> dict[str, np.ndarray]:
+    response = result.get_response()
+    return {output.name: result.as_numpy(output.name) for output in response.outputs}
+
+
+def grpc_generate(
+    url: str,
+    model: str,
+    inputs: list[Any] | None = None,
+    timeout: float = 120.0,
+    settle: float = 0.2,
+    cancel_after: int | None = None,
+    parameters: dict | None = None,
+    **kwargs: Any,
+) -> StreamResult:
+    """One request over a gRPC stream; waits `settle` s after the end to catch a second FINAL."""
+    inputs = inputs if inputs is not None else make_inputs(grpcclient, **kwargs)
+    events: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    result = StreamResult(started_at=time.perf_counter())
+    client.start_stream(callback=lambda result, error: events.put((time.perf_counter(), result, error)))
+    try:
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True, parameters=parameters)
+        deadline = time.monotonic() + timeout
+        ended = False
+        while True:
+            wait = settle if ended else max(0.0, deadline - time.monotonic())
+            try:
+                at, item, error = events.get(timeout=wait)
+            except queue.Empty:
+                if ended:
+                    break
+                raise TimeoutError(f"no final response from {model} within {timeout} s") from None
+            if error is not None:
+                result.error = str(error)
+                result.finals += 1
+                ended = True
+                continue
+            if result.first_response_at is None:
+                result.first_response_at = at
+            result.responses.append(_arrays(item))
+            if item.get_response().parameters["triton_final_response"].bool_param:
+                result.finals += 1
+                ended = True
+            if cancel_after is not None and len(result.responses) >= cancel_after and not ended:
+                client.stop_stream(cancel_requests=True)
+                result.error = "cancelled by test"
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    return result
+
+
+async def aio_generate(client: grpcaio.InferenceServerClient, model: str, **kwargs: Any) -> StreamResult:
+    """One streaming request with tritonclient.grpc.aio on a shared client."""
+    inputs = make_inputs(grpcaio, **kwargs)
+    result = StreamResult(started_at=time.perf_counter())
+
+    async def requests_iter():
+        yield {"model_name": model, "inputs": inputs, "enable_empty_final_response": True}
+
+    async for item, error in client.stream_infer(requests_iter()):
+        if error is not None:
+            result.error = str(error)
+            result.finals += 1
+            break
+        if result.first_response_at is None:
+            result.first_response_at = time.perf_counter()
+        result.responses.append(_arrays(item))
+        if item.get_response().parameters["triton_final_response"].bool_param:
+            result.finals += 1
+            break
+    return result
+
+
+def http_generate(base_url: str, model: str, body: dict, stream: bool = False, timeout: float = 120) -> list[dict]:
+    """HTTP generate (one JSON) or generate_stream (server-sent events, one JSON per event)."""
+    endpoint = "generate_stream" if stream else "generate"
+    response = requests.post(f"{base_url}/v2/models/{model}/{endpoint}", json=body, stream=stream, timeout=timeout)
+    if not stream:
+        return [response.json() | {"_status": response.status_code}]
+    events = []
+    for line in response.iter_lines(decode_unicode=True):
+        if line and line.startswith("data: "):
+            events.append(json.loads(line[len("data: ") :]))
+    return events
