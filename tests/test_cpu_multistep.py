@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from triton_vllm_multistep import demo_models
 from triton_vllm_multistep.cpu_multistep import (
     CPUMultiStepEngine,
+    FastIncrementalDetokenizer,
     advance_decode_input,
 )
 from triton_vllm_multistep.engine_factory import build_engine
@@ -29,6 +30,8 @@ from vllm import EngineArgs, SamplingParams
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.sequence import SequenceData, SequenceGroupMetadata
+from vllm.transformers_utils.detokenizer_utils import detokenize_incrementally
+from vllm.transformers_utils.tokenizer import get_tokenizer
 
 STEPS = (1, 4, 8, 16)
 LOGPROB_TOLERANCE = 5e-3
@@ -460,3 +463,43 @@ def test_lean_request_output_matches_vllm(engine16: CPUMultiStepEngine) -> None:
     for request_id in requests:
         engine16.abort_request(request_id)
     engine16.step()
+
+
+@pytest.fixture(scope="module", params=["tiny-llama-bpe", "tiny-llama-spm"])
+def tokenizer(request: pytest.FixtureRequest) -> Any:
+    return get_tokenizer(str(demo_models.build(request.param)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    prompt=st.lists(st.integers(min_value=0, max_value=2047), min_size=1, max_size=12),
+    generated=st.lists(
+        st.one_of(st.integers(min_value=0, max_value=2047), st.sampled_from([0, 1, 2, 2100])),
+        min_size=1,
+        max_size=24,
+    ),
+    skip_special_tokens=st.booleans(),
+)
+def test_fast_detokenizer_matches_vllm(
+    tokenizer: Any, prompt: list[int], generated: list[int], skip_special_tokens: bool
+) -> None:
+    fast = FastIncrementalDetokenizer(tokenizer)
+    assert fast.usable
+    ids = list(prompt)
+    # Both start from vLLM's first iteration, as the engine does (the prefill's token).
+    ids.append(generated[0])
+    tokens, text, prefix, read = detokenize_incrementally(
+        tokenizer, ids, None, 0, 0, skip_special_tokens=skip_special_tokens
+    )
+    theirs = (list(tokens), text, prefix, read)
+    ours = (list(tokens), text, prefix, read)
+    for token_id in generated[1:]:
+        ids.append(token_id)
+        t_tokens, t_text, t_prefix, t_read = detokenize_incrementally(
+            tokenizer, ids, theirs[0], theirs[2], theirs[3], skip_special_tokens=skip_special_tokens
+        )
+        o_tokens, o_text, o_prefix, o_read = fast.step(ours[0], ours[2], ours[3], token_id, skip_special_tokens)
+        assert (o_tokens, o_text, o_prefix, o_read) == (t_tokens, t_text, t_prefix, t_read)
+        theirs = (theirs[0] + t_tokens, theirs[1] + t_text, t_prefix, t_read)
+        ours = (ours[0] + o_tokens, ours[1] + o_text, o_prefix, o_read)
+    assert ours == theirs

@@ -32,7 +32,6 @@ from vllm.sequence import (
     SequenceOutput,
     SequenceStatus,
 )
-from vllm.transformers_utils.detokenizer_utils import detokenize_incrementally
 from vllm.utils import weak_bind
 from vllm.worker.cpu_model_runner import CPUModelRunner, ModelInputForCPUWithSamplingMetadata
 from vllm.worker.cpu_worker import CPUWorker
@@ -113,6 +112,46 @@ def pythonize_decode_step(
             logprobs = {token: Logprob(sampled_logprobs[row])}
         sample = SequenceOutput(seq_group.seq_ids[0], token, logprobs)
         outputs.append(CompletionSequenceGroupOutput([sample], None))
+
+
+class FastIncrementalDetokenizer:
+    """vLLM's `detokenize_incrementally` for a fast tokenizer, after a sequence's first token.
+
+    Same results; it decodes only the tokens from the prefix offset on instead of copying all of
+    the sequence's previous tokens, and calls the Rust tokenizer without the Python wrappers.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.decoder = backend.decoder if backend is not None else None
+        self.usable = bool(getattr(tokenizer, "is_fast", False)) and self.decoder is not None
+        self.id_to_token = backend.id_to_token if backend is not None else None
+        self.vocab_len = len(tokenizer)
+        self.special_ids = frozenset(tokenizer.all_special_ids)
+
+    def step(
+        self,
+        prev_tokens: list[str],
+        prefix_offset: int,
+        read_offset: int,
+        token_id: int,
+        skip_special_tokens: bool,
+    ) -> tuple[list[str], str, int, int]:
+        """(new tokens, new text, prefix offset, read offset), as `detokenize_incrementally`."""
+        if not 0 <= token_id < self.vocab_len:
+            new_tokens = [""]
+        elif skip_special_tokens and token_id in self.special_ids:
+            new_tokens = []
+        else:
+            new_tokens = [self.id_to_token(token_id)]
+        window = prev_tokens[prefix_offset:]
+        decode = self.decoder.decode
+        prefix_text = decode(window[: read_offset - prefix_offset])
+        new_text = decode(window + new_tokens)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return new_tokens, "", prefix_offset, read_offset
+        return new_tokens, new_text[len(prefix_text) :], read_offset, len(prev_tokens) + len(new_tokens)
 
 
 class CPUMultiStepModelRunner(CPUModelRunner):
@@ -305,6 +344,10 @@ class CPUMultiStepEngine(LLMEngine):
         super().__init__(*args, **kwargs)
         worker = self.driver_worker()
         worker.set_step_output_callback(weak_bind(self._on_step_output))
+        self._fast_detokenizer: FastIncrementalDetokenizer | None = None
+        if self.tokenizer is not None:
+            fast = FastIncrementalDetokenizer(self.get_tokenizer())
+            self._fast_detokenizer = fast if fast.usable else None
 
     def driver_worker(self) -> CPUMultiStepWorker:
         """The worker in this process whose runner samples (rank 0)."""
@@ -335,7 +378,6 @@ class CPUMultiStepEngine(LLMEngine):
         stream = ctx.multi_step_stream_outputs
         stop_checker = self.output_processor.stop_checker  # type: ignore[attr-defined]
         detokenize = self.detokenizer is not None
-        tokenizer = self.get_tokenizer() if detokenize else None
         request_outputs = ctx.request_outputs
         now = time.time()
         any_finished = False
@@ -351,7 +393,7 @@ class CPUMultiStepEngine(LLMEngine):
             params = seq_group.sampling_params
             new_chars = 0
             if detokenize and params.detokenize:
-                new_chars = self._detokenize(tokenizer, seq, params)
+                new_chars = self._detokenize(seq, params)
             stop_checker.maybe_stop_sequence(seq, new_char_count=new_chars, sampling_params=params)
             finished = seq.is_finished()
             any_finished |= finished
@@ -368,23 +410,22 @@ class CPUMultiStepEngine(LLMEngine):
             self.process_request_outputs_callback(request_outputs)
             request_outputs.clear()
 
-    def _detokenize(self, tokenizer: Any, seq: Sequence, params: SamplingParams) -> int:
+    def _detokenize(self, seq: Sequence, params: SamplingParams) -> int:
         """Detokenize the sequence's new token in place; returns the number of new characters.
 
         vLLM's `decode_sequence_inplace` also names every token of the step's logprobs, which
         here are only placeholders unless the request asked for logprobs: skip that part then.
         """
-        if params.logprobs is not None or seq.tokens is None:
+        fast = self._fast_detokenizer
+        if params.logprobs is not None or seq.tokens is None or fast is None:
             assert self.detokenizer is not None
             return self.detokenizer.decode_sequence_inplace(seq, params)
-        new_tokens, new_text, prefix_offset, read_offset = detokenize_incrementally(
-            tokenizer=tokenizer,
-            all_input_ids=seq.get_token_ids(),
-            prev_tokens=seq.tokens,
-            prefix_offset=seq.prefix_offset,
-            read_offset=seq.read_offset,
-            skip_special_tokens=params.skip_special_tokens,
-            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        new_tokens, new_text, prefix_offset, read_offset = fast.step(
+            seq.tokens,
+            seq.prefix_offset,
+            seq.read_offset,
+            seq.get_last_token_id(),
+            params.skip_special_tokens,
         )
         seq.tokens.extend(new_tokens)
         seq.prefix_offset = prefix_offset
@@ -447,6 +488,13 @@ class CPUMultiStepEngine(LLMEngine):
             self.model_executor.stop_remote_worker_execution_loop()
         return outputs
 
+    def _has_remaining_steps(self, seq_group_metadata_list: list[Any] | None) -> bool:
+        # vLLM compares every group's remaining steps each call, twice per step, as a sanity
+        # check; here all groups of a window start together and are advanced together.
+        if not seq_group_metadata_list or not self.scheduler_config.is_multi_step:
+            return False
+        return seq_group_metadata_list[0].state.remaining_steps > 0
+
     def _close_finished_window(self) -> bool:
         """End the current window early when all its requests have finished or were aborted.
 
@@ -455,11 +503,13 @@ class CPUMultiStepEngine(LLMEngine):
         """
         cached = self.cached_scheduler_outputs[0]
         metadata = cached.seq_group_metadata_list
-        if self._skip_scheduling_next_step or not self._has_remaining_steps(metadata):
+        if self._skip_scheduling_next_step or not metadata or cached.scheduler_outputs is None:
             return False
-        assert metadata is not None and cached.scheduler_outputs is not None
+        # Cheapest test first: it stops at the first unfinished request, the common case.
         scheduled = cached.scheduler_outputs.scheduled_seq_groups
         if not all(s.seq_group.is_finished() for s in scheduled):
+            return False
+        if not self._has_remaining_steps(metadata):
             return False
         for seq_group_metadata in metadata:
             state = seq_group_metadata.state
