@@ -4,6 +4,7 @@ Installed as `<backends>/vllm_multistep/model.py`, so model folders need no mode
 """
 
 import triton_python_backend_utils as pb_utils
+
 from triton_vllm_multistep import serving
 
 

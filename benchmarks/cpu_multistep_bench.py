@@ -19,11 +19,12 @@ os.environ["VLLM_USE_V1"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch
+from vllm import EngineArgs, SamplingParams
+from vllm.sampling_params import RequestOutputKind
+
 from triton_vllm_multistep import demo_models
 from triton_vllm_multistep.engine_factory import build_engine
 from triton_vllm_multistep.step_timing import PHASES, StepTimer, attach, forward_only_ceiling
-from vllm import EngineArgs, SamplingParams
-from vllm.sampling_params import RequestOutputKind
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu_multistep.json"
 PROMPTS = (

@@ -18,6 +18,7 @@ os.environ.setdefault("VLLM_USE_V1", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from server_process import ServerProcess, start_server
+
 from triton_vllm_multistep import demo_models
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -30,6 +31,7 @@ LLM_VARIANTS = {
     "vllm_model_window": {},  # per-window streaming, set in its config below
 }
 TOKENIZER_MODELS = {"bytelevel": LLM_MODEL, "metaspace": "vllm_model_spm"}
+ENSEMBLES = {"bytelevel": "ensemble", "metaspace": "ensemble_spm"}
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +50,22 @@ def _add_variant(repository: Path, name: str, overrides: dict) -> None:
             config.write_text(config.read_text().replace('string_value: "step"', 'string_value: "window"'))
 
 
+def _add_spm_pipeline(repository: Path) -> None:
+    """ensemble_spm: the same pipeline on the metaspace demo tokenizer and vllm_model_spm."""
+    for stage in ("preprocessing", "postprocessing"):
+        target = repository / f"{stage}_spm"
+        shutil.copytree(repository / stage, target)
+        config = target / "config.pbtxt"
+        config.write_text(config.read_text().replace("demo://tiny-llama-bpe", "demo://tiny-llama-spm"))
+    target = repository / "ensemble_spm"
+    shutil.copytree(repository / "ensemble", target)
+    config = target / "config.pbtxt"
+    text = config.read_text()
+    for name in ("preprocessing", "postprocessing", "vllm_model"):
+        text = text.replace(f'model_name: "{name}"', f'model_name: "{name}_spm"')
+    config.write_text(text)
+
+
 @pytest.fixture(scope="session")
 def model_repository(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> Path:
     repository = tmp_path_factory.mktemp("model_repository")
@@ -55,6 +73,7 @@ def model_repository(tmp_path_factory: pytest.TempPathFactory, demo_model_paths:
     shutil.copytree(SHIPPED_REPOSITORY, repository)
     for name, overrides in LLM_VARIANTS.items():
         _add_variant(repository, name, overrides)
+    _add_spm_pipeline(repository)
     return repository
 
 

@@ -19,6 +19,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from vllm import EngineArgs, SamplingParams
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.sequence import SequenceData, SequenceGroupMetadata
+from vllm.transformers_utils.detokenizer_utils import detokenize_incrementally
+from vllm.transformers_utils.tokenizer import get_tokenizer
+
 from triton_vllm_multistep import demo_models
 from triton_vllm_multistep.cpu_multistep import (
     CPUMultiStepEngine,
@@ -26,12 +33,6 @@ from triton_vllm_multistep.cpu_multistep import (
     advance_decode_input,
 )
 from triton_vllm_multistep.engine_factory import build_engine
-from vllm import EngineArgs, SamplingParams
-from vllm.outputs import RequestOutput
-from vllm.sampling_params import RequestOutputKind
-from vllm.sequence import SequenceData, SequenceGroupMetadata
-from vllm.transformers_utils.detokenizer_utils import detokenize_incrementally
-from vllm.transformers_utils.tokenizer import get_tokenizer
 
 STEPS = (1, 4, 8, 16)
 LOGPROB_TOLERANCE = 5e-3

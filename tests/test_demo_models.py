@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from triton_vllm_multistep import demo_models
 
 TEXTS = [

@@ -15,6 +15,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import pytest
 import torch
 import vllm.platforms
+from vllm import EngineArgs, SamplingParams
+from vllm.engine.llm_engine import LLMEngine
+from vllm.sampling_params import GuidedDecodingParams
+
 from triton_vllm_multistep import demo_models, engine_factory
 from triton_vllm_multistep.cpu_multistep import WORKER_QUALNAME, CPUMultiStepEngine
 from triton_vllm_multistep.engine_factory import (
@@ -23,9 +27,6 @@ from triton_vllm_multistep.engine_factory import (
     cpu_multistep_config,
     unsupported_request_features,
 )
-from vllm import EngineArgs, SamplingParams
-from vllm.engine.llm_engine import LLMEngine
-from vllm.sampling_params import GuidedDecodingParams
 
 
 @pytest.fixture(scope="module")

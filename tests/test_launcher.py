@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from server_process import start_server
+
 from triton_vllm_multistep import launcher
 from triton_vllm_multistep.device import gpu_count, instance_device_environment
 

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from vllm.outputs import RequestOutput
-from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:  # vLLM is imported where used: auto_complete_config's stub never needs it
+    from vllm.outputs import RequestOutput
+    from vllm.sampling_params import SamplingParams
 
 from .config import Limits
+from .detokenization import text_window
 
 RETURN_FLAGS = (
     "return_finish_reason",
@@ -24,6 +27,7 @@ RETURN_FLAGS = (
     "return_logprobs",
     "return_num_input_tokens",
     "return_num_output_tokens",
+    "return_detokenization_window",
 )
 BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
 
@@ -147,6 +151,7 @@ class ReturnFlags:
     logprobs: bool = False
     num_input_tokens: bool = False
     num_output_tokens: bool = False
+    detokenization_window: bool = False  # window_ids + window_offsets, for postprocessing
 
 
 @dataclass
@@ -159,6 +164,8 @@ class GenerationRequest:
     prompt_text: str | None = None
     prepend_prompt: bool = False
     returns: ReturnFlags = field(default_factory=ReturnFlags)
+    # Prompt + output ids so far; kept only when detokenization windows are asked for.
+    context_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -220,6 +227,8 @@ def parse_sampling_fields(text: str | None, source: str) -> dict[str, Any]:
 
 def sampling_params(fields: Mapping[str, Any], stream: bool, limits: ModelLimits) -> SamplingParams:
     """Convert and check sampling fields; every error names the field."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
     kwargs: dict[str, Any] = {}
     for name, value in fields.items():
         if name in REFUSED_FIELDS:
@@ -326,6 +335,8 @@ def decode_request(
     if not exclude and prompt_text is None:
         prompt_text = decode(prompt_ids)
     returns = ReturnFlags(**{name.removeprefix("return_"): bool(flags[name]) for name in RETURN_FLAGS})
+    if returns.detokenization_window and params.n > 1:
+        raise RequestError("return_detokenization_window supports one completion per request (n=1)")
     return GenerationRequest(
         prompt_token_ids=prompt_ids,
         sampling_params=params,
@@ -333,10 +344,16 @@ def decode_request(
         prompt_text=prompt_text,
         prepend_prompt=not exclude,
         returns=returns,
+        context_ids=list(prompt_ids) if returns.detokenization_window else None,
     )
 
 
-def encode_response(output: RequestOutput, request: GenerationRequest, first: bool) -> dict[str, np.ndarray]:
+def encode_response(
+    output: RequestOutput,
+    request: GenerationRequest,
+    first: bool,
+    window_decode: Callable[[Sequence[int], int], str] | None = None,
+) -> dict[str, np.ndarray]:
     """One engine output (a delta when streaming, the whole result otherwise) → output arrays.
 
     Arrays hold one element per completion (index = position), as in Triton's vLLM backend;
@@ -362,6 +379,18 @@ def encode_response(output: RequestOutput, request: GenerationRequest, first: bo
         arrays["num_input_tokens"] = np.array([len(request.prompt_token_ids)], dtype=np.uint32)
     if returns.num_output_tokens:
         arrays["num_output_tokens"] = np.array([len(c.token_ids) for c in completions], dtype=np.uint32)
+    if request.context_ids is not None and window_decode is not None:
+        completion = completions[0]
+        request.context_ids.extend(completion.token_ids)
+        window = text_window(
+            request.context_ids,
+            len(request.prompt_token_ids),
+            len(completion.token_ids),
+            completion.text,
+            window_decode,
+        )
+        arrays["window_ids"] = np.array(window.ids, dtype=np.int32)
+        arrays["window_offsets"] = np.array([window.context, window.start, window.end], dtype=np.int32)
     return arrays
 
 

@@ -43,6 +43,8 @@ class BackendSettings:
     cpu_kvcache_space_gib: int = 1
     enable_metrics: bool = True
     limits: Limits = dataclasses.field(default_factory=Limits)
+    # On engine failure, ask Triton to unload the model (works in explicit model-control mode).
+    unload_on_engine_failure: bool = True
 
 
 def _parameter_values(model_config: dict[str, Any]) -> dict[str, str]:
@@ -92,6 +94,7 @@ def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) 
         cpu_kvcache_space_gib=_as_int("cpu_kvcache_space_gib", params.get("cpu_kvcache_space_gib", "1"), minimum=1),
         enable_metrics=_as_bool("enable_metrics", params.get("enable_metrics", "true")),
         limits=limits,
+        unload_on_engine_failure=_as_bool("unload_on_engine_failure", params.get("unload_on_engine_failure", "true")),
     )
 
 

@@ -58,6 +58,72 @@ def unsupported_engine_features(engine_args: EngineArgs) -> list[str]:
     return problems
 
 
+def preload_model_classes(engine_args: EngineArgs) -> list[str]:
+    """Inspect the model's architecture classes in this process, so vLLM need not spawn a child.
+
+    vLLM 0.8.5 registers its built-in models lazily, and the first `ModelConfig` of a process
+    inspects the architecture (`_LazyRegisteredModel.inspect_model_cls`) in a fresh Python
+    subprocess that re-imports vLLM and torch: about 8.5 s of a demo model's start-up, there only
+    to keep CUDA uninitialised in a parent that will fork workers. Where the engine runs in this
+    process anyway (CPU, or a single GPU worker) the class is imported here and registered as an
+    already-imported model, exactly what vLLM's own `ModelRegistry.register_model(arch, cls)`
+    records; vLLM then reads the same `_ModelInfo` without the subprocess. Returns the
+    architectures preloaded; any failure leaves vLLM's own path in place.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() and engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size > 1:
+        return []  # workers may be forked: keep vLLM's CUDA-free inspection
+    try:
+        from vllm.model_executor.models.registry import ModelRegistry, _LazyRegisteredModel, _RegisteredModel
+        from vllm.transformers_utils.config import get_config
+
+        hf_config = get_config(
+            engine_args.model,
+            engine_args.trust_remote_code,
+            revision=engine_args.revision,
+            code_revision=engine_args.code_revision,
+            config_format=engine_args.config_format,
+        )
+        preloaded = []
+        for arch in getattr(hf_config, "architectures", None) or []:
+            entry = ModelRegistry.models.get(arch)
+            if isinstance(entry, _LazyRegisteredModel):
+                ModelRegistry.models[arch] = _RegisteredModel.from_model_cls(entry.load_model_cls())
+                preloaded.append(arch)
+        return preloaded
+    except Exception as error:  # vLLM's subprocess inspection still works, only slower
+        logger.info("model class not preloaded (%s); vLLM inspects it in a subprocess", error)
+        return []
+
+
+def leave_a_core_for_serving() -> int | None:
+    """On a CPU host, run the engine's torch threads on all cores but one; returns the new count.
+
+    A served engine shares the host with the threads that build and send each response (the
+    responder, Triton's frontend and gRPC threads, often the clients too). torch's OpenMP threads
+    meet at a barrier after every operator, so when any of them is descheduled for one of those
+    threads, every operator of the forward pass waits for it: on a 2-core host, 2 torch threads
+    under serving load decode far slower than 1. Nothing changes when the user chose a thread
+    count (OMP_NUM_THREADS, VLLM_CPU_OMP_THREADS_BIND) or torch already uses fewer threads.
+    Call before the engine is built, from the thread that builds it: torch hands the count on to
+    threads started later (the engine thread).
+    """
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "all") != "all":
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cores < 2 or torch.get_num_threads() < cores:
+        return None
+    torch.set_num_threads(cores - 1)
+    logger.info("torch threads: %d of %d cores, one left to the serving threads", cores - 1, cores)
+    return cores - 1
+
+
 def build_engine(engine_args: EngineArgs, *, stream_per_step: bool = True) -> LLMEngine:
     """Build the engine for `engine_args`, honouring `num_scheduler_steps` on every platform.
 
@@ -69,6 +135,7 @@ def build_engine(engine_args: EngineArgs, *, stream_per_step: bool = True) -> LL
     from vllm.platforms import current_platform
 
     args = dataclasses.replace(engine_args, multi_step_stream_outputs=stream_per_step)
+    preload_model_classes(args)
     steps = args.num_scheduler_steps
     if steps > 1:
         problems = unsupported_engine_features(args)

@@ -7,6 +7,7 @@ or send Triton responses (it hands `RequestOutput`s to a sink and returns to the
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import traceback
@@ -24,11 +25,19 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StepOutputs:
-    """The outputs one `step()` returned (one pythonized decode step, or one window)."""
+    """The outputs one `step()` returned (one pythonized decode step, or one window).
+
+    With step timing on (metrics), steps that return nothing are handed over too (empty
+    `outputs`), and `forward_seconds` / `forward_end` (perf_counter) describe the model's
+    forward passes in the step; `new_window` says the step started a scheduling round.
+    """
 
     outputs: list[RequestOutput]
     step_seconds: float
     finished_at: float = field(default_factory=time.monotonic)
+    forward_seconds: float = 0.0
+    forward_end: float | None = None
+    new_window: bool = False
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,61 @@ class KvCacheStats:
 
 
 EngineEvent = StepOutputs | RequestFailed | EngineDied
+# Test-only fault injection, set in the server's environment (never from a request): once the
+# file it names exists, the model's next forward pass raises, as a failing engine would.
+FAULT_FILE_ENV = "TRITON_VLLM_MULTISTEP_TEST_ENGINE_FAULT_FILE"
+
+
+class InjectedEngineFault(RuntimeError):
+    """Raised inside the engine's forward pass by the test-only fault injection."""
+
+
+def _driver_model(engine: LLMEngine):
+    """The torch module the in-process (driver) worker runs, or None if it cannot be found."""
+    worker = getattr(getattr(engine, "model_executor", None), "driver_worker", None)
+    worker = getattr(worker, "worker", worker)
+    runner = getattr(worker, "model_runner", None)
+    runner = getattr(runner, "_base_model_runner", runner)  # vLLM's MultiStepModelRunner (GPU)
+    model = getattr(runner, "model", None)
+    return model if hasattr(model, "register_forward_hook") else None
+
+
+class ForwardClock:
+    """Times the driver model's forward passes with torch module hooks (no method patching)."""
+
+    def __init__(self, model) -> None:
+        self.seconds = 0.0
+        self.last_end: float | None = None
+        self._started = 0.0
+        model.register_forward_pre_hook(self._pre)
+        model.register_forward_hook(self._post)
+
+    def _pre(self, *_: object) -> None:
+        self._started = time.perf_counter()
+
+    def _post(self, *_: object) -> None:
+        self.last_end = time.perf_counter()
+        self.seconds += self.last_end - self._started
+
+    def take(self) -> tuple[float, float | None]:
+        """Forward seconds and the last forward's end since the previous call."""
+        seconds, end = self.seconds, self.last_end
+        self.seconds, self.last_end = 0.0, None
+        return seconds, end
+
+
+def _install_fault_injection(engine: LLMEngine) -> None:
+    path = os.environ.get(FAULT_FILE_ENV)
+    model = _driver_model(engine) if path else None
+    if model is None:
+        return
+    logger.warning("test-only engine fault injection is armed: %s=%s", FAULT_FILE_ENV, path)
+
+    def maybe_fail(*_: object) -> None:
+        if os.path.exists(path):
+            raise InjectedEngineFault(f"injected engine fault ({FAULT_FILE_ENV})")
+
+    model.register_forward_pre_hook(maybe_fail)
 
 
 @dataclass(frozen=True)
@@ -76,10 +140,18 @@ class EngineLoop:
         sink: Callable[[EngineEvent], None],
         on_state: Callable[[KvCacheStats], None] | None = None,
         state_interval: float = 0.25,
+        time_steps: bool = False,
+        on_death: Callable[[str], None] | None = None,
     ) -> None:
         self._engine = engine
         self._sink = sink
         self._on_state = on_state
+        self._on_death = on_death
+        model = _driver_model(engine) if time_steps else None
+        self._clock = ForwardClock(model) if model is not None else None
+        self._time_steps = time_steps
+        self._last_schedule: object = None
+        _install_fault_injection(engine)
         self._state_interval = state_interval
         self._state_reported_at = 0.0
         self._admissions: deque[_Admission] = deque()
@@ -168,6 +240,9 @@ class EngineLoop:
                     for output in outputs:
                         if output.finished:
                             self._in_engine.discard(output.request_id)
+                if self._time_steps:
+                    self._sink(self._timed_step(outputs, time.perf_counter() - started))
+                elif outputs:
                     # V0 reuses and clears the returned list on the next step: hand over a copy.
                     self._sink(StepOutputs(list(outputs), time.perf_counter() - started))
                 self._report_state()
@@ -177,3 +252,23 @@ class EngineLoop:
             lost = sorted(self._in_engine) + [a.request_id for a in self._admissions]
             self._admissions.clear()
             self._sink(EngineDied(self.error, lost))
+            if self._on_death is not None:
+                try:
+                    self._on_death(self.error)
+                except Exception:
+                    logger.exception("engine death callback failed")
+
+    def _timed_step(self, outputs: list[RequestOutput], seconds: float) -> StepOutputs:
+        forward_seconds, forward_end = self._clock.take() if self._clock is not None else (0.0, None)
+        # The engine's scheduler context holds the latest round's SchedulerOutputs: a new
+        # object that is not empty means this step started a scheduling window.
+        scheduled = self._engine.scheduler_contexts[0].scheduler_outputs
+        new_window = scheduled is not self._last_schedule and scheduled is not None and not scheduled.is_empty()
+        self._last_schedule = scheduled
+        return StepOutputs(
+            list(outputs),
+            seconds,
+            forward_seconds=forward_seconds,
+            forward_end=forward_end,
+            new_window=new_window,
+        )

@@ -6,11 +6,12 @@ must not call the engine except through the abort callback.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,12 @@ from .engine_loop import EngineDied, EngineEvent, RequestFailed, StepOutputs
 
 logger = logging.getLogger(__name__)
 CANCEL_SWEEP_SECONDS = 0.05
+# `is_cancelled()` is a blocking round trip to the tritonserver process (hundreds of µs under
+# load, more than sending a response), so it is never asked per response: each request in flight
+# is asked at most every CANCEL_CHECK_SECONDS, by the sweep, and a sweep asks at most
+# CANCEL_CHECKS_PER_SWEEP of them (longest unchecked first).
+CANCEL_CHECK_SECONDS = 0.1
+CANCEL_CHECKS_PER_SWEEP = 4
 _NOTHING = object()  # queue wait timed out: time to sweep for cancellations
 
 
@@ -30,6 +37,7 @@ class RequestState:
     request: codec.GenerationRequest
     first: bool = True
     last_cancel_check: float = 0.0
+    timing: Any = None  # metrics.RequestTiming when metrics are on
 
 
 class Responder:
@@ -39,6 +47,8 @@ class Responder:
         self._pb = pb_utils
         self._abort = abort
         self._observer = observer
+        # Decodes detokenization windows (ensembles); a tokenizer of this thread's own.
+        self.window_decode: Callable[[Sequence[int], int], str] | None = None
         self._states: dict[str, RequestState] = {}
         self._lock = threading.Lock()
         self._events: queue.SimpleQueue[EngineEvent | None] = queue.SimpleQueue()
@@ -75,6 +85,10 @@ class Responder:
         except Exception:
             logger.warning("could not send error response: %s", message)
 
+    def fail(self, request_id: str, message: str, code: Any) -> None:
+        """End a registered request with an error FINAL, unless it has already ended."""
+        self._finish_with_error(request_id, message, code)
+
     def _finish_with_error(self, request_id: str, message: str, code: Any) -> None:
         with self._lock:
             state = self._states.pop(request_id, None)
@@ -96,6 +110,11 @@ class Responder:
                 except Exception:
                     logger.exception("responder failed on %s", type(event).__name__)
             now = time.monotonic()
+            if self._observer is not None:
+                try:
+                    self._observer.maybe_flush(now)
+                except Exception:
+                    logger.exception("flushing metrics failed")
             if now - last_sweep >= CANCEL_SWEEP_SECONDS:
                 last_sweep = now
                 self._sweep_cancelled()
@@ -112,16 +131,13 @@ class Responder:
                 self._finish_with_error(request_id, event.message, self._pb.TritonError.UNAVAILABLE)
 
     def _send_outputs(self, event: StepOutputs) -> None:
-        now = time.monotonic()
         for output in event.outputs:
             state = self._states.get(output.request_id)
             if state is None:
                 continue  # aborted or cancelled: its FINAL is already sent
             finished = output.finished
-            if not finished and self._cancelled(output.request_id, state, now):
-                continue
             try:
-                arrays = codec.encode_response(output, state.request, state.first)
+                arrays = codec.encode_response(output, state.request, state.first, self.window_decode)
                 response = self._pb.InferenceResponse(
                     output_tensors=[self._pb.Tensor(name, array) for name, array in arrays.items()]
                 )
@@ -144,8 +160,14 @@ class Responder:
                     self._abort(output.request_id)
                     with self._lock:
                         self._states.pop(output.request_id, None)
-            if self._observer is not None:
-                self._observer.on_response(output, state.request, event, finished)
+            if self._observer is not None and state.timing is not None:
+                engine_first = None
+                if not state.request.stream and output.metrics is not None:
+                    engine_first = getattr(output.metrics, "first_token_time", None)
+                tokens = sum(len(c.token_ids) for c in output.outputs)
+                self._observer.on_response(state.timing, tokens, finished, time.time(), engine_first)
+        if self._observer is not None:
+            self._observer.on_step(event, time.perf_counter())
 
     def _cancelled(self, request_id: str, state: RequestState, now: float) -> bool:
         state.last_cancel_check = now
@@ -156,9 +178,15 @@ class Responder:
         return True
 
     def _sweep_cancelled(self) -> None:
-        """Requests that produced nothing lately (queued, or non-streaming) are checked here."""
+        """Ask Triton about the requests checked least recently, within the sweep's budget."""
         now = time.monotonic()
         with self._lock:
-            stale = [(rid, s) for rid, s in self._states.items() if now - s.last_cancel_check > CANCEL_SWEEP_SECONDS]
-        for request_id, state in stale:
+            due = [
+                (s.last_cancel_check, rid, s)
+                for rid, s in self._states.items()
+                if now - s.last_cancel_check >= CANCEL_CHECK_SECONDS
+            ]
+        if len(due) > CANCEL_CHECKS_PER_SWEEP:
+            due = heapq.nsmallest(CANCEL_CHECKS_PER_SWEEP, due, key=lambda item: item[0])
+        for _, request_id, state in due:
             self._cancelled(request_id, state, now)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import codec, config
+from .detokenization import window_decoder
 from .device import instance_device_environment
 
 logger = logging.getLogger("triton_vllm_multistep")
@@ -43,6 +46,9 @@ OUTPUTS = [
     ("logprobs", "TYPE_STRING", [-1]),
     ("num_input_tokens", "TYPE_UINT32", [1]),
     ("num_output_tokens", "TYPE_UINT32", [-1]),
+    # For a stateless postprocessing model: ids to replay, and (context, start, end) in them.
+    ("window_ids", "TYPE_INT32", [-1]),
+    ("window_offsets", "TYPE_INT32", [3]),
 ]
 INPUT_NAMES = [name for name, *_ in INPUTS]
 
@@ -67,12 +73,13 @@ class ModelServer:
     """Everything one Triton model instance runs."""
 
     def __init__(self, pb_utils: Any, args: dict[str, str]) -> None:
-        from .engine_factory import build_engine
+        from .engine_factory import build_engine, leave_a_core_for_serving
         from .engine_loop import EngineLoop
         from .responder import Responder
 
         self._pb = pb_utils
         model_config = json.loads(args["model_config"])
+        self.model_name = args.get("model_name") or model_config["name"]
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise config.ConfigError("model_transaction_policy { decoupled: true } is required: this backend streams")
         model_dir = Path(args["model_repository"])
@@ -86,6 +93,7 @@ class ModelServer:
                 args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0)), parallel
             )
         )
+        leave_a_core_for_serving()
         self.engine = build_engine(engine_args, stream_per_step=self.settings.stream_per_step)
         self._tokenizer = self._load_tokenizer(engine_args)
         model = self.engine.model_config
@@ -95,16 +103,21 @@ class ModelServer:
             max_model_len=model.max_model_len,
             limits=self.settings.limits,
         )
-        self.responder = Responder(pb_utils, abort=lambda rid: self.loop.abort(rid))
         self.metrics = None
         if self.settings.enable_metrics:
             from .metrics import BackendMetrics
 
-            self.metrics = BackendMetrics(pb_utils, model_config["name"], str(args.get("model_version", "1")))
+            self.metrics = BackendMetrics(
+                pb_utils, model_config["name"], str(args.get("model_version", "1")), model.max_model_len
+            )
+        self.responder = Responder(pb_utils, abort=lambda rid: self.loop.abort(rid), observer=self.metrics)
+        self.responder.window_decode = window_decoder(self._load_tokenizer(engine_args))
         self.loop = EngineLoop(
             self.engine,
             sink=self.responder.post,
             on_state=self.metrics.update_engine_state if self.metrics else None,
+            time_steps=self.metrics is not None,
+            on_death=self._on_engine_death,
         )
         self.responder.start()
         self.loop.start()
@@ -163,12 +176,66 @@ class ModelServer:
                 continue
             request_id = request.request_id() or ""
             engine_id = f"{request_id}-{uuid.uuid4().hex}" if request_id else uuid.uuid4().hex
-            self.responder.register(engine_id, RequestState(sender=sender, request=generation))
+            timing = None
+            if self.metrics is not None:
+                from .metrics import RequestTiming
+
+                timing = RequestTiming(time.time(), len(generation.prompt_token_ids), generation.stream)
+            self.responder.register(engine_id, RequestState(sender=sender, request=generation, timing=timing))
             self.loop.submit(engine_id, generation.prompt_token_ids, generation.sampling_params)
+            if not self.loop.healthy:
+                # The engine died between the check above and the submit: nobody else will
+                # answer this request (fail() is a no-op if the death handling already did).
+                self.responder.fail(
+                    engine_id, self.loop.error or "the engine is not running", self._pb.TritonError.UNAVAILABLE
+                )
+
+    def _on_engine_death(self, message: str) -> None:
+        """Engine thread, once: report it, then take the model out of service if Triton lets us."""
+        if self.metrics is not None:
+            self.metrics.on_engine_died()
+        if not self.settings.unload_on_engine_failure:
+            logger.error(
+                "vllm_multistep: model %s: engine failed (%s); answering UNAVAILABLE", self.model_name, message
+            )
+            return
+        threading.Thread(target=self._unload_self, args=(message,), name="vllm-self-unload", daemon=True).start()
+
+    def _unload_self(self, message: str, drain_seconds: float = 10.0) -> None:
+        """Ask Triton to unload this model (explicit model control only), once in-flight requests got their FINAL.
+
+        Python-based backends in Triton 2.51 cannot report "not ready" themselves (no `is_ready`
+        hook): unloading is the only way to stop the model being reported ready. In other
+        model-control modes Triton refuses, and the model stays loaded answering UNAVAILABLE.
+        """
+        deadline = time.monotonic() + drain_seconds
+        while self.responder.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        try:
+            self._pb.unload_model(self.model_name)
+        except Exception as error:
+            logger.error(
+                "vllm_multistep: engine of model %s failed (%s); could not unload it (%s): it stays loaded and "
+                "answers UNAVAILABLE until the server is restarted (use --model-control-mode=explicit to have "
+                "it unloaded)",
+                self.model_name,
+                message,
+                error,
+            )
+        else:
+            logger.error(
+                "vllm_multistep: engine of model %s failed (%s); model unload requested", self.model_name, message
+            )
 
     def close(self) -> None:
         self.loop.stop()
         self.responder.stop("the model is being unloaded")
+        if self.metrics is not None:
+            try:
+                self.metrics.close()
+            except Exception:
+                logger.exception("closing the metrics failed")
         executor = getattr(self.engine, "model_executor", None)
         if executor is not None:
             executor.shutdown()
+        logger.info("vllm_multistep: model %s finalized: engine shut down", self.model_name)

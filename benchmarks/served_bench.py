@@ -1,0 +1,665 @@
+"""Served streaming benchmark: the backend through a real tritonserver vs the same engine offline.
+
+One command (`.venv/bin/python -m benchmarks.served_bench`, `--quick` for a short run) measures,
+on the demo model with the shipped model.json settings and a 1 GiB KV cache:
+
+1. the ceilings: the same engine offline (`LLM.generate` on the whole batch, steps 1 and 8) and the
+   forward-only ceiling of `step_timing` (run in a child process, never beside a server);
+2. served, `num_scheduler_steps` 1;
+3. served, steps 8, one response per decoded step (`stream_mode` step);
+4. served, steps 8, one response per scheduling window (`stream_mode` window);
+
+at each concurrency (1, 8, 32, 64 streams by default). One server per configuration, started
+one after the other. The load generator is `tritonclient.grpc.aio`: `concurrency` streams start
+together (one wave; a few waves per level), each with a distinct prompt, greedy, a fixed number of
+output tokens (`ignore_eos`). Throughput is that of the best wave (as the offline figures are best
+of `--repeats`: the host is shared); latencies are over all waves. CPU seconds per 1,000 output
+tokens are measured with psutil for tritonserver, the Python backend stub (where the engine runs)
+and this client. Writes benchmarks/results/served.json and served.png; asserts nothing, but prints
+whether each target of the performance issue is met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+SOURCE_MODEL = ROOT / "model_repository" / "vllm_model"
+MODEL = "vllm_model"
+KV_CACHE_GIB = "1"
+PROMPTS = (
+    "the model streams every token of a response while the engine schedules",
+    "cats sleep near warm windows and rivers run to the sea",
+    "people write code read books and drink coffee in small cafes",
+    "a quick brown fox jumps over lazy dogs under bright stars",
+)
+# name → (label, num_scheduler_steps, stream_mode)
+CONFIGS: dict[str, tuple[str, int, str]] = {
+    "steps1": ("served, steps 1", 1, "step"),
+    "steps8_step": ("served, steps 8, per step", 8, "step"),
+    "steps8_window": ("served, steps 8, per window", 8, "window"),
+}
+# The issue's targets (checked here, never by timed tests).
+TARGET_CONCURRENCY = 32
+TARGETS = {
+    "steps8_step_vs_ceiling": 0.75,
+    "steps8_window_vs_ceiling": 0.90,
+    "steps8_step_vs_steps1": 1.15,
+    "steps8_window_vs_steps1": 1.25,
+    "ttft_ms_at_1": 20.0,
+    "itl_step_vs_steps1_at_1": 1.10,
+    "ready_seconds": 10.0,
+    "idle_memory_gb": 2.4,
+}
+
+
+def prompt(i: int) -> str:
+    """Distinct prompts of similar length."""
+    return f"request {i}: {PROMPTS[i % len(PROMPTS)]}"
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        index = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
+        return ordered[index]
+
+    return {"p50": at(0.50), "p90": at(0.90), "p99": at(0.99)}
+
+
+def waves_for(concurrency: int, scale: float) -> int:
+    """More waves at low concurrency, where a wave is short and latency samples are few."""
+    return max(2, round(scale * max(3, 24 / concurrency)))
+
+
+# --------------------------------------------------------------------------- offline (child)
+
+
+def engine_json(steps: int) -> dict[str, Any]:
+    data = json.loads((SOURCE_MODEL / "1" / "model.json").read_text())
+    data["num_scheduler_steps"] = steps
+    return data
+
+
+def offline_worker(concurrencies: list[int], max_tokens: int, repeats: int) -> dict[str, Any]:
+    """Runs in a child process: LLM.generate on our engine (steps 1 and 8) + forward-only ceiling."""
+    os.environ["VLLM_USE_V1"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = KV_CACHE_GIB
+    import gc
+
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.utils import Counter
+
+    from triton_vllm_multistep import config as backend_config
+    from triton_vllm_multistep.engine_factory import build_engine
+    from triton_vllm_multistep.step_timing import forward_only_ceiling
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    results: dict[str, Any] = {"llm_generate": {}, "forward_only": {}, "torch_threads": torch.get_num_threads()}
+    for steps in (1, 8):
+        data = engine_json(steps)
+        settings = backend_config.BackendSettings(stream_per_step=False)
+        args = backend_config.engine_args(data, SOURCE_MODEL, settings)
+        engine = build_engine(args, stream_per_step=False)
+        # LLM.generate itself, on this engine (LLM() would build vLLM's CPU engine, which has no multi-step).
+        llm = LLM.__new__(LLM)
+        llm.llm_engine = engine
+        llm.engine_class = type(engine)
+        llm.request_counter = Counter()
+        llm.default_sampling_params = None
+        llm.generate([prompt(i) for i in range(8)], params, use_tqdm=False)  # warm-up
+        figures = {}
+        for concurrency in concurrencies:
+            prompts = [prompt(i) for i in range(concurrency)]
+            best = 0.0
+            for _ in range(repeats):
+                start = time.perf_counter()
+                outputs = llm.generate(prompts, params, use_tqdm=False)
+                elapsed = time.perf_counter() - start
+                tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+                best = max(best, tokens / elapsed)
+            figures[str(concurrency)] = best
+            print(f"offline LLM.generate steps={steps} batch={concurrency}: {best:8.1f} tok/s", flush=True)
+        results["llm_generate"][str(steps)] = figures
+        if steps == 8:
+            context_len = len(engine.get_tokenizer().encode(prompt(0))) + max_tokens // 2
+            for concurrency in concurrencies:
+                value = max(forward_only_ceiling(engine, concurrency, context_len=context_len) for _ in range(repeats))
+                results["forward_only"][str(concurrency)] = value
+                print(f"forward-only ceiling batch={concurrency}: {value:8.1f} tok/s", flush=True)
+        engine.model_executor.shutdown()
+        del llm, engine
+        gc.collect()
+    return results
+
+
+def run_offline(concurrencies: list[int], max_tokens: int, repeats: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "offline.json"
+        command = [
+            sys.executable,
+            "-m",
+            "benchmarks.served_bench",
+            "--offline-worker",
+            str(out),
+            "--max-tokens",
+            str(max_tokens),
+            "--repeats",
+            str(repeats),
+            "--concurrency",
+            *map(str, concurrencies),
+        ]
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KV_CACHE_GIB, VLLM_USE_V1="0")
+        subprocess.run(command, check=True, cwd=ROOT, env=env)
+        return json.loads(out.read_text())
+
+
+# --------------------------------------------------------------------------- server
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def make_repository(target: Path, steps: int, stream_mode: str) -> Path:
+    model_dir = target / MODEL
+    shutil.copytree(SOURCE_MODEL, model_dir)
+    (model_dir / "1" / "model.json").write_text(json.dumps(engine_json(steps), indent=1))
+    for config in (model_dir / "config.pbtxt", model_dir / "configs" / "cpu.pbtxt"):
+        text = config.read_text().replace('string_value: "step"', f'string_value: "{stream_mode}"')
+        config.write_text(text)
+    return target
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    grpc_port: int
+    http_port: int
+    log_path: Path
+
+    def tree(self) -> list[Any]:
+        import psutil
+
+        try:
+            return psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def groups(self) -> dict[str, list[Any]]:
+        """tritonserver and its Python backend stubs (where the engines run)."""
+        groups: dict[str, list[Any]] = {"tritonserver": [], "stub": []}
+        for proc in self.tree():
+            try:
+                cmd = " ".join(proc.cmdline())
+            except Exception:
+                continue
+            if "triton_python_backend_stub" in cmd:
+                groups["stub"].append(proc)
+            elif proc.name() == "tritonserver":
+                groups["tritonserver"].append(proc)
+        return groups
+
+    def wait_ready(self, started: float, timeout: float = 300.0) -> float:
+        import requests
+
+        while time.monotonic() - started < timeout:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(f"http://127.0.0.1:{self.http_port}/v2/health/ready", timeout=1).status_code == 200:
+                    return time.monotonic() - started
+            except requests.RequestException:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"server not ready within {timeout} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+
+def start_server(repository: Path, log_path: Path) -> tuple[Server, float]:
+    http_port, grpc_port, metrics_port = free_ports(3)
+    command = [
+        sys.executable,
+        "-m",
+        "triton_vllm_multistep",
+        "serve",
+        f"--model-repository={repository}",
+        f"--http-port={http_port}",
+        f"--grpc-port={grpc_port}",
+        f"--metrics-port={metrics_port}",
+    ]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KV_CACHE_GIB)
+    started = time.monotonic()
+    process = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
+    server = Server(process, grpc_port, http_port, log_path)
+    return server, server.wait_ready(started)
+
+
+def memory_of(server: Server) -> dict[str, float]:
+    """Resident (RSS) and proportional (PSS) memory of tritonserver + stubs, in GB."""
+    rss = pss = 0
+    for proc in [p for group in server.groups().values() for p in group]:
+        try:
+            info = proc.memory_full_info()
+        except Exception:
+            continue
+        rss += info.rss
+        pss += getattr(info, "pss", info.rss)
+    return {"rss_gb": rss / 1e9, "pss_gb": pss / 1e9}
+
+
+def cpu_seconds(procs: list[Any]) -> float:
+    total = 0.0
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+        except Exception:
+            continue
+        total += times.user + times.system
+    return total
+
+
+# --------------------------------------------------------------------------- load generator
+
+
+@dataclass
+class RequestRecord:
+    sent: float
+    arrivals: list[float]
+    counts: list[int]
+    error: str | None = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.counts)
+
+
+def _make_inputs(grpcaio: Any, text: str, sampling: bytes) -> list[Any]:
+    import numpy as np
+
+    text_input = grpcaio.InferInput("text_input", [1], "BYTES")
+    text_input.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
+    stream = grpcaio.InferInput("stream", [1], "BOOL")
+    stream.set_data_from_numpy(np.array([True]))
+    params = grpcaio.InferInput("sampling_parameters", [1], "BYTES")
+    params.set_data_from_numpy(np.array([sampling], dtype=np.object_))
+    return [text_input, stream, params]
+
+
+async def one_request(client: Any, grpcaio: Any, text: str, sampling: bytes) -> RequestRecord:
+    inputs = _make_inputs(grpcaio, text, sampling)
+    record = RequestRecord(sent=time.perf_counter(), arrivals=[], counts=[])
+
+    async def requests():
+        yield {"model_name": MODEL, "inputs": inputs, "enable_empty_final_response": True}
+
+    try:
+        async for result, error in client.stream_infer(requests()):
+            now = time.perf_counter()
+            if error is not None:
+                record.error = str(error)
+                break
+            response = result.get_response()
+            # Token count from the raw INT32 bytes of output_ids: no numpy conversion per response.
+            count = 0
+            for index, output in enumerate(response.outputs):
+                if output.name == "output_ids":
+                    count = len(response.raw_output_contents[index]) // 4
+                    break
+            if count:
+                record.arrivals.append(now)
+                record.counts.append(count)
+            if response.parameters["triton_final_response"].bool_param:
+                break
+    except Exception as error:  # transport errors count as errors, not crashes
+        record.error = f"{type(error).__name__}: {error}"
+    return record
+
+
+async def run_level(
+    grpc_url: str, concurrency: int, waves: int, max_tokens: int, server: Server, offset: int
+) -> dict[str, Any]:
+    import psutil
+    import tritonclient.grpc.aio as grpcaio
+
+    sampling = json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
+    client = grpcaio.InferenceServerClient(grpc_url)
+    me = psutil.Process()
+    groups = server.groups()
+    records: list[RequestRecord] = []
+    wave_rates: list[float] = []
+    wave_responses: list[float] = []
+    try:
+        # One unmeasured wave: connections, first-call paths, the engine's batch shapes.
+        await asyncio.gather(*(one_request(client, grpcaio, prompt(offset + i), sampling) for i in range(concurrency)))
+        cpu_before = {
+            "tritonserver": cpu_seconds(groups["tritonserver"]),
+            "stub": cpu_seconds(groups["stub"]),
+            "client": cpu_seconds([me]),
+        }
+        total_start = time.perf_counter()
+        for wave in range(waves):
+            base = offset + (wave + 1) * concurrency
+            start = time.perf_counter()
+            batch = await asyncio.gather(
+                *(one_request(client, grpcaio, prompt(base + i), sampling) for i in range(concurrency))
+            )
+            elapsed = time.perf_counter() - start
+            records.extend(batch)
+            wave_rates.append(sum(r.tokens for r in batch) / elapsed)
+            wave_responses.append(sum(len(r.counts) for r in batch) / elapsed)
+        total_seconds = time.perf_counter() - total_start
+        cpu_after = {
+            "tritonserver": cpu_seconds(groups["tritonserver"]),
+            "stub": cpu_seconds(groups["stub"]),
+            "client": cpu_seconds([me]),
+        }
+    finally:
+        await client.close()
+
+    tokens = sum(r.tokens for r in records)
+    errors = sum(1 for r in records if r.error or r.tokens != max_tokens)
+    ttft = [1000 * (r.arrivals[0] - r.sent) for r in records if r.arrivals]
+    itl: list[float] = []  # per token: the gap before its response, shared by the response's tokens
+    gaps: list[float] = []  # per response: the gap since the previous response of the request
+    for r in records:
+        for previous, now, count in zip(r.arrivals, r.arrivals[1:], r.counts[1:], strict=False):
+            gap = 1000 * (now - previous)
+            gaps.append(gap)
+            itl.extend([gap / count] * count)
+    best = max(range(len(wave_rates)), key=wave_rates.__getitem__)
+    per_1k = {name: 1000 * (cpu_after[name] - cpu_before[name]) / max(tokens, 1) for name in cpu_before}
+    return {
+        "concurrency": concurrency,
+        "waves": waves,
+        "requests": len(records),
+        "output_tokens": tokens,
+        "tokens_per_s": wave_rates[best],
+        "tokens_per_s_mean": tokens / total_seconds,
+        "tokens_per_s_waves": wave_rates,
+        "responses_per_s": wave_responses[best],
+        "ttft_ms": percentiles(ttft),
+        "itl_ms": percentiles(itl),
+        "inter_response_ms": percentiles(gaps),
+        "errors": errors,
+        "cpu_s_per_1k_tokens": per_1k,
+    }
+
+
+def run_served(
+    name: str, concurrencies: list[int], max_tokens: int, wave_scale: float, workdir: Path
+) -> dict[str, Any]:
+    label, steps, mode = CONFIGS[name]
+    repository = make_repository(workdir / name, steps, mode)
+    log_path = workdir / f"{name}.log"
+    server, ready = start_server(repository, log_path)
+    try:
+        print(f"{label}: READY after {ready:.1f} s", flush=True)
+        time.sleep(3.0)  # let start-up allocations settle before reading idle memory
+        memory = memory_of(server)
+        levels = []
+        for index, concurrency in enumerate(concurrencies):
+            level = asyncio.run(
+                run_level(
+                    f"127.0.0.1:{server.grpc_port}",
+                    concurrency,
+                    waves_for(concurrency, wave_scale),
+                    max_tokens,
+                    server,
+                    offset=10_000 * (index + 1),
+                )
+            )
+            levels.append(level)
+            print(
+                f"  c={concurrency:3d}: {level['tokens_per_s']:8.1f} tok/s  ttft p50 {level['ttft_ms']['p50']:.1f} ms"
+                f"  itl p50 {level['itl_ms']['p50']:.2f} ms  errors {level['errors']}",
+                flush=True,
+            )
+    finally:
+        server.stop()
+    return {
+        "name": name,
+        "label": label,
+        "num_scheduler_steps": steps,
+        "stream_mode": mode,
+        "ready_seconds": ready,
+        "idle_memory": memory,
+        "levels": levels,
+    }
+
+
+# --------------------------------------------------------------------------- report
+
+
+def annotate(results: dict[str, Any]) -> None:
+    """Ratios to the ceiling and to steps 1, and the targets' verdicts."""
+    offline = results["offline"]["llm_generate"]
+    ceilings = {c: max(offline[s][c] for s in offline) for c in offline["1"]}
+    results["ceiling_tokens_per_s"] = ceilings
+    served = {c["name"]: {lvl["concurrency"]: lvl for lvl in c["levels"]} for c in results["served"]}
+    for config in results["served"]:
+        for level in config["levels"]:
+            c = level["concurrency"]
+            level["vs_ceiling"] = level["tokens_per_s"] / ceilings[str(c)]
+            base = served.get("steps1", {}).get(c)
+            level["vs_steps1"] = level["tokens_per_s"] / base["tokens_per_s"] if base else None
+
+    def ratio(name: str, key: str, concurrency: int = TARGET_CONCURRENCY) -> float | None:
+        level = served.get(name, {}).get(concurrency)
+        return level[key] if level else None
+
+    checks: list[dict[str, Any]] = []
+
+    def check(label: str, value: float | None, limit: float, at_least: bool) -> None:
+        met = None if value is None else (value >= limit if at_least else value <= limit)
+        checks.append({"target": label, "value": value, "limit": limit, "at_least": at_least, "met": met})
+
+    c = TARGET_CONCURRENCY
+    check(f"c={c}: steps 8 per step / offline ceiling", ratio("steps8_step", "vs_ceiling"), 0.75, True)
+    check(f"c={c}: steps 8 per window / offline ceiling", ratio("steps8_window", "vs_ceiling"), 0.90, True)
+    check(f"c={c}: steps 8 per step / steps 1", ratio("steps8_step", "vs_steps1"), 1.15, True)
+    check(f"c={c}: steps 8 per window / steps 1", ratio("steps8_window", "vs_steps1"), 1.25, True)
+    for name in CONFIGS:
+        level = served.get(name, {}).get(1)
+        check(f"c=1: TTFT p50 (ms), {CONFIGS[name][0]}", level["ttft_ms"]["p50"] if level else None, 20.0, False)
+    step, one = served.get("steps8_step", {}).get(1), served.get("steps1", {}).get(1)
+    itl_ratio = step["itl_ms"]["p50"] / one["itl_ms"]["p50"] if step and one else None
+    check("c=1: ITL p50 steps 8 per step / steps 1", itl_ratio, 1.10, False)
+    for config in results["served"]:
+        check(f"start to READY (s), {config['label']}", config["ready_seconds"], 10.0, False)
+        check(f"idle RSS of server processes (GB), {config['label']}", config["idle_memory"]["rss_gb"], 2.4, False)
+    results["targets"] = checks
+
+
+def format_table(results: dict[str, Any]) -> str:
+    lines = []
+    offline = results["offline"]
+    header = (
+        "| configuration | streams | tok/s | vs ceiling | vs steps 1 | resp/s | TTFT p50/p90/p99 ms "
+        "| ITL p50/p90/p99 ms | errors | CPU s/1k tok server/stub/client |"
+    )
+    lines.append(header)
+    lines.append("|" + "---|" * 10)
+    concurrencies = list(offline["llm_generate"]["1"])
+    for steps in sorted(offline["llm_generate"]):
+        for c in concurrencies:
+            value = offline["llm_generate"][steps][c]
+            lines.append(
+                f"| offline LLM.generate, steps {steps} | {c} | {value:.0f} | "
+                f"{value / results['ceiling_tokens_per_s'][c]:.2f} | | | | | | |"
+            )
+    for c in concurrencies:
+        lines.append(f"| forward-only ceiling | {c} | {offline['forward_only'][c]:.0f} | | | | | | | |")
+
+    def fmt(p: dict[str, float | None], digits: int) -> str:
+        return "/".join("-" if p[k] is None else f"{p[k]:.{digits}f}" for k in ("p50", "p90", "p99"))
+
+    for config in results["served"]:
+        for level in config["levels"]:
+            cpu = level["cpu_s_per_1k_tokens"]
+            vs1 = "" if level["vs_steps1"] is None else f"{level['vs_steps1']:.2f}"
+            lines.append(
+                f"| {config['label']} | {level['concurrency']} | {level['tokens_per_s']:.0f} | "
+                f"{level['vs_ceiling']:.2f} | {vs1} | {level['responses_per_s']:.0f} | "
+                f"{fmt(level['ttft_ms'], 1)} | {fmt(level['itl_ms'], 2)} | {level['errors']} | "
+                f"{cpu['tritonserver']:.3f}/{cpu['stub']:.3f}/{cpu['client']:.3f} |"
+            )
+    lines.append("")
+    lines.append("| configuration | start to READY s | idle RSS GB (PSS GB) |")
+    lines.append("|---|---|---|")
+    for config in results["served"]:
+        memory = config["idle_memory"]
+        lines.append(
+            f"| {config['label']} | {config['ready_seconds']:.1f} | {memory['rss_gb']:.2f} ({memory['pss_gb']:.2f}) |"
+        )
+    lines.append("")
+    lines.append("| target | value | limit | met |")
+    lines.append("|---|---|---|---|")
+    for check in results["targets"]:
+        value = "-" if check["value"] is None else f"{check['value']:.3g}"
+        sign = "≥" if check["at_least"] else "≤"
+        met = {True: "yes", False: "NO", None: "not run"}[check["met"]]
+        lines.append(f"| {check['target']} | {value} | {sign} {check['limit']} | {met} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    offline = results["offline"]
+    concurrencies = [int(c) for c in offline["llm_generate"]["1"]]
+    ax = axes[0]
+    for steps, figures in sorted(offline["llm_generate"].items()):
+        ax.plot(
+            concurrencies,
+            [figures[str(c)] for c in concurrencies],
+            "k--" if steps == "8" else "k:",
+            label=f"offline LLM.generate, steps {steps}",
+        )
+    ax.plot(
+        concurrencies,
+        [offline["forward_only"][str(c)] for c in concurrencies],
+        color="grey",
+        linestyle="-.",
+        label="forward-only ceiling",
+    )
+    for config in results["served"]:
+        xs = [lvl["concurrency"] for lvl in config["levels"]]
+        axes[0].plot(xs, [lvl["tokens_per_s"] for lvl in config["levels"]], "o-", label=config["label"])
+        axes[1].plot(xs, [lvl["ttft_ms"]["p50"] for lvl in config["levels"]], "o-", label=config["label"])
+        axes[2].plot(xs, [lvl["itl_ms"]["p50"] for lvl in config["levels"]], "o-", label=config["label"])
+    titles = ("output tokens/s", "time to first token p50 (ms)", "inter-token latency p50 (ms)")
+    for axis, title in zip(axes, titles, strict=True):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(concurrencies, [str(c) for c in concurrencies])
+        axis.set_xlabel("concurrent streams")
+        axis.set_title(title)
+        axis.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(
+        f"demo model, {results['max_tokens']} tokens per request, greedy, ignore_eos; {results['cpu_count']} CPUs"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--repeats", type=int, default=3, help="offline runs per batch (best kept)")
+    parser.add_argument("--wave-scale", type=float, default=1.0, help="scales the number of waves per level")
+    parser.add_argument("--quick", action="store_true", help="concurrency 1 and 32 only, fewer waves and repeats")
+    parser.add_argument("--skip-offline", action="store_true", help="reuse the offline figures of --output")
+    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "served.json")
+    parser.add_argument("--offline-worker", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.offline_worker:
+        result = offline_worker(args.concurrency, args.max_tokens, args.repeats)
+        args.offline_worker.write_text(json.dumps(result))
+        return
+    if args.quick:
+        args.concurrency = [1, 32]
+        args.repeats = 2
+        args.wave_scale = 0.5
+    from triton_vllm_multistep import demo_models
+
+    demo_models.build("tiny-llama-bpe")
+    started = time.monotonic()
+    if args.skip_offline and args.output.exists():
+        offline = json.loads(args.output.read_text())["offline"]
+    else:
+        offline = run_offline(args.concurrency, args.max_tokens, args.repeats)
+    served = []
+    with tempfile.TemporaryDirectory(prefix="served-bench-") as tmp:
+        for name in args.configs:
+            served.append(run_served(name, args.concurrency, args.max_tokens, args.wave_scale, Path(tmp)))
+    results = {
+        "model": "demo://tiny-llama-bpe",
+        "max_tokens": args.max_tokens,
+        "kv_cache_gib": int(KV_CACHE_GIB),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "command": " ".join(["python -m benchmarks.served_bench", *sys.argv[1:]]),
+        "wall_seconds": None,
+        "offline": offline,
+        "served": served,
+    }
+    annotate(results)
+    results["wall_seconds"] = time.monotonic() - started
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=1) + "\n")
+    chart = args.output.with_suffix(".png")
+    plot(results, chart)
+    print(format_table(results))
+    print(f"written to {args.output} and {chart} in {results['wall_seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Health and lifecycle through a real tritonserver of this module's own (explicit model control).
+
+Engine failure (injected inside the engine's forward pass, see engine_loop.FAULT_FILE_ENV),
+unload/reload with streams in flight, and SIGTERM under load: every client gets exactly one
+FINAL or a clean stream error, nothing hangs, and no stub or vLLM worker process is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import tritonclient.grpc as grpcclient
+from private_servers import make_repository, metric, model_ready, scrape, stub_processes, wait_for
+from server_process import ServerProcess, start_server
+from triton_clients import StreamResult, grpc_generate
+
+from triton_vllm_multistep.engine_loop import FAULT_FILE_ENV
+
+MODEL = "vllm_model"
+STAYING = "vllm_model_stays"  # unload_on_engine_failure: false
+LONG = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
+SHORT = {"temperature": 0, "max_tokens": 4, "ignore_eos": True}
+
+
+class Streams:
+    """Streaming requests run on threads; results collected per index."""
+
+    def __init__(
+        self, server: ServerProcess, count: int, sampling: dict, timeout: float = 120, model: str = MODEL
+    ) -> None:
+        self.results: dict[int, StreamResult | BaseException] = {}
+        self._threads = [
+            threading.Thread(target=self._run, args=(server, model, i, sampling, timeout), daemon=True)
+            for i in range(count)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, server: ServerProcess, model: str, index: int, sampling: dict, timeout: float) -> None:
+        try:
+            self.results[index] = grpc_generate(
+                server.grpc_url, model, prompt=f"stream number {index}", sampling=sampling, stream=True, timeout=timeout
+            )
+        except BaseException as error:  # a hang shows up as TimeoutError here
+            self.results[index] = error
+
+    def join(self, timeout: float) -> dict[int, StreamResult | BaseException]:
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self._threads), "a client is still waiting: something hangs"
+        return self.results
+
+
+def wait_until_streaming(server: ServerProcess, running: int, timeout: float = 60, model: str = MODEL) -> None:
+    """Until the engine runs `running` requests (they have been admitted and produce tokens)."""
+    assert wait_for(lambda: (metric(scrape(server), "vllm:num_requests_running", model) or 0) >= running, timeout)
+
+
+@pytest.fixture(scope="module")
+def lifecycle_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("lifecycle")
+    repository = make_repository(root, {MODEL: {}, STAYING: {"parameters": {"unload_on_engine_failure": "false"}}})
+    fault_file = root / "engine-fault"
+    handle = start_server(
+        repository,
+        root / "tritonserver.log",
+        "--model-control-mode=explicit",
+        f"--load-model={MODEL}",
+        f"--load-model={STAYING}",
+        env={FAULT_FILE_ENV: str(fault_file)},
+    )
+    handle.fault_file = fault_file  # type: ignore[attr-defined]
+    try:
+        handle.wait_ready(timeout=600)
+        yield handle
+    finally:
+        handle.stop()
+
+
+def test_engine_failure_fails_streams_in_flight_refuses_new_and_unloads_the_model(lifecycle_server) -> None:
+    server = lifecycle_server
+    fault_file: Path = server.fault_file  # type: ignore[attr-defined]
+    streams = Streams(server, 3, LONG)
+    staying = Streams(server, 2, LONG, model=STAYING)
+    wait_until_streaming(server, 3)
+    wait_until_streaming(server, 2, model=STAYING)
+    fault_file.touch()
+    try:
+        results = streams.join(timeout=60)
+        results = [*results.values(), *staying.join(timeout=60).values()]
+        for result in results:
+            assert isinstance(result, StreamResult), result
+            assert result.finals == 1, (result.finals, result.error)
+            assert result.error is not None and "vLLM engine failed" in result.error, result.error
+            assert "InjectedEngineFault" in result.error
+            assert len(result.token_ids()) < LONG["max_tokens"]
+        # The model takes itself out of service (explicit model control): not ready, and new
+        # requests are refused, either by the backend (UNAVAILABLE) or by Triton (not loaded).
+        assert wait_for(lambda: not model_ready(server, MODEL), timeout=60), "model still reported ready"
+        refused = grpc_generate(server.grpc_url, MODEL, prompt="after", sampling=SHORT, stream=True, timeout=30)
+        assert refused.finals == 1 and refused.error is not None
+        assert f"'{MODEL}' has no available versions" in refused.error or "vLLM engine failed" in refused.error
+        assert wait_for(lambda: len(stub_processes(server)) == 1, timeout=60), "the failed engine's stub still runs"
+        # With unload_on_engine_failure false the model stays loaded (as in other model-control
+        # modes, where Triton refuses unloads): it answers UNAVAILABLE at once and says so.
+        assert model_ready(server, STAYING)
+        for _ in range(3):
+            started = time.monotonic()
+            refused = grpc_generate(server.grpc_url, STAYING, prompt="after", sampling=SHORT, stream=True, timeout=30)
+            assert refused.finals == 1 and refused.error is not None and "vLLM engine failed" in refused.error
+            assert time.monotonic() - started < 10
+        text = scrape(server)
+        assert metric(text, "vllm_multistep:engine_alive", STAYING) == 0
+        assert metric(text, "vllm:num_requests_running", MODEL) is None  # unloaded: its metrics are gone
+    finally:
+        fault_file.unlink(missing_ok=True)
+    # An operator (or orchestrator) brings it back through model control.
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.load_model(MODEL)
+    finally:
+        client.close()
+    assert model_ready(server, MODEL)
+    again = grpc_generate(server.grpc_url, MODEL, prompt="after", sampling=SHORT, stream=True)
+    assert again.finals == 1 and again.error is None and len(again.token_ids()) == 4
+    assert "could not unload" not in server.log_tail(400)
+
+
+def test_unload_and_reload_with_streams_in_flight(lifecycle_server) -> None:
+    server = lifecycle_server
+    control = grpcclient.InferenceServerClient(server.grpc_url)
+    control.unload_model(STAYING)  # its engine failed in the previous test
+    if not model_ready(server, MODEL):  # the previous test failed half-way
+        control.load_model(MODEL)
+    control.close()
+    assert wait_for(lambda: len(stub_processes(server)) == 1, timeout=60)
+    stubs_before = {p.pid for p in stub_processes(server)}
+    streams = Streams(server, 4, {**LONG, "max_tokens": 200})
+    wait_until_streaming(server, 4)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.unload_model(MODEL)
+        results = streams.join(timeout=90)
+        for result in results.values():
+            assert isinstance(result, StreamResult), result
+            assert result.finals == 1, (result.finals, result.error)
+            if result.error is None:
+                assert len(result.token_ids()) == 200  # completed before the unload finished
+            else:
+                assert "unloaded" in result.error or "UNAVAILABLE" in result.error, result.error
+        assert wait_for(lambda: not model_ready(server, MODEL), timeout=60)
+        assert wait_for(lambda: not stub_processes(server), timeout=60), "the unloaded model's stub is still running"
+        assert all(not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie" for pid in stubs_before)
+        client.load_model(MODEL)
+    finally:
+        client.close()
+    assert model_ready(server, MODEL)
+    assert len(stub_processes(server)) == 1
+    after = grpc_generate(server.grpc_url, MODEL, prompt="reloaded", sampling=SHORT, stream=True)
+    assert after.finals == 1 and after.error is None and len(after.token_ids()) == 4
+
+
+def test_sigterm_under_load_ends_every_stream_and_leaves_no_process(tmp_path: Path, demo_model_paths: dict) -> None:
+    repository = make_repository(tmp_path, {MODEL: {}})
+    exit_timeout = 30
+    server = start_server(repository, tmp_path / "tritonserver.log", f"--exit-timeout-secs={exit_timeout}")
+    try:
+        server.wait_ready(timeout=600)
+        processes = server.descendants()
+        assert stub_processes(server)
+        streams = Streams(server, 8, {**LONG, "max_tokens": 300}, timeout=exit_timeout + 60)
+        wait_until_streaming(server, 8)
+        started = time.monotonic()
+        server.process.send_signal(15)
+        code = server.process.wait(exit_timeout + 30)
+        took = time.monotonic() - started
+        results = streams.join(timeout=60)
+    finally:
+        server.stop()
+    assert code == 0, server.log_tail()
+    assert took < exit_timeout + 10, took
+    for result in results.values():
+        assert isinstance(result, StreamResult), result
+        assert result.finals == 1, (result.finals, result.error)
+        assert result.error is None or result.error, result
+        if result.error is None:
+            assert len(result.token_ids()) == 300
+    log = server.log_path.read_text(errors="replace")
+    assert "model vllm_model finalized: engine shut down" in log  # finalize ran: not killed
+    assert "Exit timeout expired" not in log
+    time.sleep(0.5)
+    alive = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left behind: {alive}"
+    assert os.environ.get(FAULT_FILE_ENV) is None
