@@ -101,7 +101,12 @@ def engine_json(steps: int) -> dict[str, Any]:
 
 
 def offline_worker(concurrencies: list[int], max_tokens: int, repeats: int) -> dict[str, Any]:
-    """Runs in a child process: LLM.generate on our engine (steps 1 and 8) + forward-only ceiling."""
+    """Runs in a child process: LLM.generate on our engine (steps 1 and 8) + forward-only ceiling.
+
+    Each is measured with torch on all cores and on all cores but one (what the served engine
+    uses, see engine_factory.leave_a_core_for_serving), and the best is kept: the ceiling is the
+    most this engine does offline on this host, whichever thread count gets it there.
+    """
     os.environ["VLLM_USE_V1"] = "0"
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = KV_CACHE_GIB
     import gc
@@ -114,8 +119,16 @@ def offline_worker(concurrencies: list[int], max_tokens: int, repeats: int) -> d
     from triton_vllm_multistep.engine_factory import build_engine
     from triton_vllm_multistep.step_timing import forward_only_ceiling
 
+    cores = torch.get_num_threads()
+    thread_counts = sorted({cores, max(1, cores - 1)}, reverse=True)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    results: dict[str, Any] = {"llm_generate": {}, "forward_only": {}, "torch_threads": torch.get_num_threads()}
+    results: dict[str, Any] = {
+        "llm_generate": {},
+        "llm_generate_by_threads": {},
+        "forward_only": {},
+        "forward_only_by_threads": {},
+        "torch_threads": thread_counts,
+    }
     for steps in (1, 8):
         data = engine_json(steps)
         settings = backend_config.BackendSettings(stream_per_step=False)
@@ -127,26 +140,46 @@ def offline_worker(concurrencies: list[int], max_tokens: int, repeats: int) -> d
         llm.engine_class = type(engine)
         llm.request_counter = Counter()
         llm.default_sampling_params = None
-        llm.generate([prompt(i) for i in range(8)], params, use_tqdm=False)  # warm-up
-        figures = {}
-        for concurrency in concurrencies:
-            prompts = [prompt(i) for i in range(concurrency)]
-            best = 0.0
-            for _ in range(repeats):
-                start = time.perf_counter()
-                outputs = llm.generate(prompts, params, use_tqdm=False)
-                elapsed = time.perf_counter() - start
-                tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-                best = max(best, tokens / elapsed)
-            figures[str(concurrency)] = best
-            print(f"offline LLM.generate steps={steps} batch={concurrency}: {best:8.1f} tok/s", flush=True)
-        results["llm_generate"][str(steps)] = figures
+        by_threads: dict[str, dict[str, float]] = {}
+        for threads in thread_counts:
+            torch.set_num_threads(threads)
+            llm.generate([prompt(i) for i in range(8)], params, use_tqdm=False)  # warm-up
+            figures = {}
+            for concurrency in concurrencies:
+                prompts = [prompt(i) for i in range(concurrency)]
+                best = 0.0
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    outputs = llm.generate(prompts, params, use_tqdm=False)
+                    elapsed = time.perf_counter() - start
+                    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+                    best = max(best, tokens / elapsed)
+                figures[str(concurrency)] = best
+                print(
+                    f"offline LLM.generate steps={steps} threads={threads} batch={concurrency}: {best:8.1f} tok/s",
+                    flush=True,
+                )
+            by_threads[str(threads)] = figures
+        results["llm_generate_by_threads"][str(steps)] = by_threads
+        results["llm_generate"][str(steps)] = {
+            str(c): max(figures[str(c)] for figures in by_threads.values()) for c in concurrencies
+        }
         if steps == 8:
             context_len = len(engine.get_tokenizer().encode(prompt(0))) + max_tokens // 2
-            for concurrency in concurrencies:
-                value = max(forward_only_ceiling(engine, concurrency, context_len=context_len) for _ in range(repeats))
-                results["forward_only"][str(concurrency)] = value
-                print(f"forward-only ceiling batch={concurrency}: {value:8.1f} tok/s", flush=True)
+            for threads in thread_counts:
+                torch.set_num_threads(threads)
+                figures = {}
+                for concurrency in concurrencies:
+                    value = max(
+                        forward_only_ceiling(engine, concurrency, context_len=context_len) for _ in range(repeats)
+                    )
+                    figures[str(concurrency)] = value
+                    print(f"forward-only ceiling threads={threads} batch={concurrency}: {value:8.1f} tok/s", flush=True)
+                results["forward_only_by_threads"][str(threads)] = figures
+            results["forward_only"] = {
+                str(c): max(f[str(c)] for f in results["forward_only_by_threads"].values()) for c in concurrencies
+            }
+        torch.set_num_threads(cores)
         engine.model_executor.shutdown()
         del llm, engine
         gc.collect()
@@ -255,23 +288,36 @@ class Server:
                 self.process.wait(10)
 
 
-def start_server(repository: Path, log_path: Path) -> tuple[Server, float]:
-    http_port, grpc_port, metrics_port = free_ports(3)
-    command = [
-        sys.executable,
-        "-m",
-        "triton_vllm_multistep",
-        "serve",
-        f"--model-repository={repository}",
-        f"--http-port={http_port}",
-        f"--grpc-port={grpc_port}",
-        f"--metrics-port={metrics_port}",
-    ]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KV_CACHE_GIB)
-    started = time.monotonic()
-    process = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
-    server = Server(process, grpc_port, http_port, log_path)
-    return server, server.wait_ready(started)
+def start_server(repository: Path, log_path: Path, attempts: int = 3) -> tuple[Server, float]:
+    """Start the launcher on free ports; returns the server and its seconds from start to READY.
+
+    Other servers may start on this host meanwhile: a port taken between choosing and binding it
+    only costs a retry on new ports.
+    """
+    for attempt in range(attempts):
+        http_port, grpc_port, metrics_port = free_ports(3)
+        command = [
+            sys.executable,
+            "-m",
+            "triton_vllm_multistep",
+            "serve",
+            f"--model-repository={repository}",
+            f"--http-port={http_port}",
+            f"--grpc-port={grpc_port}",
+            f"--metrics-port={metrics_port}",
+        ]
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KV_CACHE_GIB)
+        started = time.monotonic()
+        process = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
+        server = Server(process, grpc_port, http_port, log_path)
+        try:
+            return server, server.wait_ready(started)
+        except RuntimeError:
+            server.stop()
+            if "already in use" not in log_path.read_text(errors="replace") or attempt == attempts - 1:
+                raise
+            print("  a port was taken meanwhile; starting again on other ports", flush=True)
+    raise AssertionError("unreachable")
 
 
 def memory_of(server: Server) -> dict[str, float]:

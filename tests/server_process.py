@@ -52,8 +52,11 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def log_tail(self, lines: int = 60) -> str:
+        """The log's error lines (Triton's E-lines, Python tracebacks) and its last lines."""
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
+        all_lines = text.splitlines()
+        errors = [line for line in all_lines if (line[:1] == "E" and line[1:5].isdigit()) or "Error" in line]
+        return "\n".join([*errors[-20:], "...", *all_lines[-lines:]])
 
     def is_ready(self) -> bool:
         try:

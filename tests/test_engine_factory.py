@@ -126,3 +126,36 @@ def test_gpu_hosts_keep_vllms_multi_step_worker(
     assert args.worker_cls == "auto"  # vLLM picks its MultiStepWorker from the steps
     assert args.multi_step_stream_outputs is stream_per_step
     assert args.enable_chunked_prefill is False
+
+
+def test_model_class_is_inspected_in_process_not_in_a_subprocess(demo_path: str, monkeypatch) -> None:
+    """Cold start: vLLM's architecture inspection must not spawn its ~8 s Python subprocess."""
+    from vllm.model_executor.models import registry
+
+    engine_factory.preload_model_classes(_args(demo_path))  # [] when an earlier test preloaded it
+    assert isinstance(registry.ModelRegistry.models["LlamaForCausalLM"], registry._RegisteredModel)
+
+    def no_subprocess(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("vLLM inspected the model class in a subprocess")
+
+    monkeypatch.setattr(registry, "_run_in_subprocess", no_subprocess)
+    registry._try_inspect_model_cls.cache_clear()
+    config = cpu_multistep_config(_args(demo_path), stream_per_step=True)
+    assert config.model_config.architectures == ["LlamaForCausalLM"]
+    assert config.model_config.runner_type == "generate"
+
+
+def test_a_core_is_left_to_serving_unless_the_user_chose_threads(monkeypatch) -> None:
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    try:
+        torch.set_num_threads(cores)
+        monkeypatch.setenv("OMP_NUM_THREADS", str(cores))
+        assert engine_factory.leave_a_core_for_serving() is None
+        assert torch.get_num_threads() == cores
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        expected = cores - 1 if cores > 1 else None
+        assert engine_factory.leave_a_core_for_serving() == expected
+        assert torch.get_num_threads() == max(1, cores - 1)
+    finally:
+        torch.set_num_threads(before)

@@ -58,9 +58,9 @@ def prompt_ids(length: int, salt: int) -> list[int]:
     return [1] + [10 + (salt * 7 + i) % 500 for i in range(length - 1)]
 
 
-def run_requests() -> list:
+def run_requests(url: str) -> list:
     async def run_all():
-        async with grpcaio.InferenceServerClient(_server_url) as client:
+        async with grpcaio.InferenceServerClient(url) as client:
             jobs = [
                 aio_generate(
                     client,
@@ -85,9 +85,6 @@ def run_requests() -> list:
     return asyncio.run(run_all())
 
 
-_server_url = ""
-
-
 def test_metrics_are_exposed_with_triton_vllm_names_kinds_and_labels(server) -> None:
     text = scrape(server)
     for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
@@ -106,11 +103,9 @@ def test_metrics_are_exposed_with_triton_vllm_names_kinds_and_labels(server) -> 
 
 
 def test_request_counters_and_histograms_count_exactly_what_was_served(server) -> None:
-    global _server_url
-    _server_url = server.grpc_url
     assert wait_for(lambda: idle(scrape(server)), timeout=60), "the engine never went idle"
     before = snapshot(scrape(server))
-    results = run_requests()
+    results = run_requests(server.grpc_url)
     for result, (_, max_tokens) in zip(results, STREAMED + WHOLE, strict=True):
         assert result.error is None and result.finals == 1
         assert len(result.token_ids()) == max_tokens

@@ -212,6 +212,19 @@ def _text(name: str, array: np.ndarray) -> str:
     raise RequestError(f"input '{name}' must be STRING (BYTES), got {array.dtype}")
 
 
+def _json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else type(value).__name__
+
+
 def parse_sampling_fields(text: str | None, source: str) -> dict[str, Any]:
     """A JSON object of sampling fields → raw dict (validated for shape only)."""
     if text is None or not text.strip():
@@ -221,7 +234,7 @@ def parse_sampling_fields(text: str | None, source: str) -> dict[str, Any]:
     except json.JSONDecodeError as error:
         raise RequestError(f"{source} is not valid JSON: {error.msg} at position {error.pos}") from None
     if not isinstance(data, dict):
-        raise RequestError(f"{source} must be a JSON object, got {type(data).__name__}")
+        raise RequestError(f"{source} must be a JSON object, got {_json_type(data)}")
     return data
 
 
@@ -252,6 +265,9 @@ def _check_ranges(kwargs: dict[str, Any], model: ModelLimits) -> None:
     max_tokens = kwargs.get("max_tokens")
     if max_tokens is not None and max_tokens < 1:
         raise RequestError(f"sampling_parameters.max_tokens must be >= 1, got {max_tokens}")
+    if limits.max_tokens and max_tokens is None:
+        # vLLM's default (16) must not exceed a smaller configured limit either.
+        kwargs["max_tokens"] = min(16, limits.max_tokens)
     if limits.max_tokens and max_tokens is not None and max_tokens > limits.max_tokens:
         raise RequestError(
             f"sampling_parameters.max_tokens={max_tokens} exceeds this model's limit of {limits.max_tokens}"

@@ -205,8 +205,12 @@ class EngineLoop:
                 self._engine.add_request(
                     item.request_id, TokensPrompt(prompt_token_ids=item.prompt_token_ids), item.params
                 )
-            except ValueError as error:
-                self._sink(RequestFailed(item.request_id, str(error)))
+            except Exception as error:
+                # One request the engine refuses (vLLM raises ValueError, TypeError, ...) must not
+                # take the engine thread down with it; the engine is unchanged by a refused add.
+                if not isinstance(error, ValueError):
+                    logger.warning("engine refused request %s: %r", item.request_id, error)
+                self._sink(RequestFailed(item.request_id, str(error) or type(error).__name__))
             else:
                 self._in_engine.add(item.request_id)
 

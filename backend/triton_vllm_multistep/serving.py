@@ -6,6 +6,7 @@ execute, finalize); must not parse inputs (codec) or drive the engine (engine_lo
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -119,6 +120,11 @@ class ModelServer:
             time_steps=self.metrics is not None,
             on_death=self._on_engine_death,
         )
+        # Everything built so far (torch, vLLM, the model: ~10^6 objects) lives as long as the
+        # model; without this, every full collection walks all of it (~250 ms with all threads
+        # stopped) while serving. Frozen objects are never collected, so collect once first.
+        gc.collect()
+        gc.freeze()
         self.responder.start()
         self.loop.start()
         logger.info(
