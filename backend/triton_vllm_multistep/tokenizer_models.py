@@ -167,3 +167,19 @@ def run_batch(
 def parameter(model_config: dict[str, Any], name: str, default: str) -> str:
     value = (model_config.get("parameters") or {}).get(name, {}).get("string_value")
     return value if value else default
+
+
+def python_model(pb_utils: Any, handler_class: type[Preprocessor] | type[Postprocessor]) -> type:
+    """The `TritonPythonModel` class of a tokenizer stage (its model.py is one line)."""
+
+    class TritonPythonModel:
+        def initialize(self, args: dict[str, str]) -> None:
+            config = json.loads(args["model_config"])
+            self._names = [item["name"] for item in config["input"]]
+            tokenizer_dir = parameter(config, "tokenizer_dir", "demo://tiny-llama-bpe")
+            self._handler = handler_class(load_tokenizer(tokenizer_dir))
+
+        def execute(self, requests: list[Any]) -> list[Any]:
+            return run_batch(pb_utils, requests, self._names, self._handler)
+
+    return TritonPythonModel
