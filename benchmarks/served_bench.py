@@ -445,13 +445,16 @@ async def run_level(
     tokens = sum(r.tokens for r in records)
     errors = sum(1 for r in records if r.error or r.tokens != max_tokens)
     ttft = [1000 * (r.arrivals[0] - r.sent) for r in records if r.arrivals]
-    itl: list[float] = []  # per token: the gap before its response, shared by the response's tokens
+    # Inter-token latency as genai-perf defines it: per request, the time from its first response
+    # to its last divided by the tokens that came after the first response.
+    itl = [
+        1000 * (r.arrivals[-1] - r.arrivals[0]) / (r.tokens - r.counts[0])
+        for r in records
+        if len(r.arrivals) > 1 and r.tokens > r.counts[0]
+    ]
     gaps: list[float] = []  # per response: the gap since the previous response of the request
     for r in records:
-        for previous, now, count in zip(r.arrivals, r.arrivals[1:], r.counts[1:], strict=False):
-            gap = 1000 * (now - previous)
-            gaps.append(gap)
-            itl.extend([gap / count] * count)
+        gaps.extend(1000 * (now - previous) for previous, now in zip(r.arrivals, r.arrivals[1:], strict=False))
     best = max(range(len(wave_rates)), key=wave_rates.__getitem__)
     per_1k = {name: 1000 * (cpu_after[name] - cpu_before[name]) / max(tokens, 1) for name in cpu_before}
     return {
@@ -703,8 +706,10 @@ def main() -> None:
     args.output.write_text(json.dumps(results, indent=1) + "\n")
     chart = args.output.with_suffix(".png")
     plot(results, chart)
-    print(format_table(results))
-    print(f"written to {args.output} and {chart} in {results['wall_seconds']:.0f} s")
+    table = format_table(results)
+    args.output.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    print(f"written to {args.output} (and .md, .png) in {results['wall_seconds']:.0f} s")
 
 
 if __name__ == "__main__":
