@@ -55,6 +55,9 @@ CONFIGS: dict[str, tuple[str, int, str]] = {
     "steps8_step": ("served, steps 8, per step", 8, "step"),
     "steps8_window": ("served, steps 8, per window", 8, "window"),
 }
+# Offline repeats stop once one figure has taken this long (2 threads on a busy 2-core host can
+# run 30x slower than usual; the best of the runs so far is kept).
+OFFLINE_SECONDS_PER_FIGURE = 8.0
 # The targets (checked here, never by timed tests).
 TARGET_CONCURRENCY = 32
 TARGETS = {
@@ -148,12 +151,16 @@ def offline_worker(concurrencies: list[int], max_tokens: int, repeats: int) -> d
             for concurrency in concurrencies:
                 prompts = [prompt(i) for i in range(concurrency)]
                 best = 0.0
+                spent = 0.0
                 for _ in range(repeats):
                     start = time.perf_counter()
                     outputs = llm.generate(prompts, params, use_tqdm=False)
                     elapsed = time.perf_counter() - start
                     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
                     best = max(best, tokens / elapsed)
+                    spent += elapsed
+                    if spent > OFFLINE_SECONDS_PER_FIGURE:
+                        break  # a thread count that collapses on a busy host must not stall the run
                 figures[str(concurrency)] = best
                 print(
                     f"offline LLM.generate steps={steps} threads={threads} batch={concurrency}: {best:8.1f} tok/s",
@@ -543,19 +550,46 @@ def annotate(results: dict[str, Any]) -> None:
         checks.append({"target": label, "value": value, "limit": limit, "at_least": at_least, "met": met})
 
     c = TARGET_CONCURRENCY
-    check(f"c={c}: steps 8 per step / offline ceiling", ratio("steps8_step", "vs_ceiling"), 0.75, True)
-    check(f"c={c}: steps 8 per window / offline ceiling", ratio("steps8_window", "vs_ceiling"), 0.90, True)
-    check(f"c={c}: steps 8 per step / steps 1", ratio("steps8_step", "vs_steps1"), 1.15, True)
-    check(f"c={c}: steps 8 per window / steps 1", ratio("steps8_window", "vs_steps1"), 1.25, True)
+    check(
+        f"c={c}: steps 8 per step / offline ceiling",
+        ratio("steps8_step", "vs_ceiling"),
+        TARGETS["steps8_step_vs_ceiling"],
+        True,
+    )
+    check(
+        f"c={c}: steps 8 per window / offline ceiling",
+        ratio("steps8_window", "vs_ceiling"),
+        TARGETS["steps8_window_vs_ceiling"],
+        True,
+    )
+    check(
+        f"c={c}: steps 8 per step / steps 1", ratio("steps8_step", "vs_steps1"), TARGETS["steps8_step_vs_steps1"], True
+    )
+    check(
+        f"c={c}: steps 8 per window / steps 1",
+        ratio("steps8_window", "vs_steps1"),
+        TARGETS["steps8_window_vs_steps1"],
+        True,
+    )
     for name in CONFIGS:
         level = served.get(name, {}).get(1)
-        check(f"c=1: TTFT p50 (ms), {CONFIGS[name][0]}", level["ttft_ms"]["p50"] if level else None, 20.0, False)
+        check(
+            f"c=1: TTFT p50 (ms), {CONFIGS[name][0]}",
+            level["ttft_ms"]["p50"] if level else None,
+            TARGETS["ttft_ms_at_1"],
+            False,
+        )
     step, one = served.get("steps8_step", {}).get(1), served.get("steps1", {}).get(1)
     itl_ratio = step["itl_ms"]["p50"] / one["itl_ms"]["p50"] if step and one else None
-    check("c=1: ITL p50 steps 8 per step / steps 1", itl_ratio, 1.10, False)
+    check("c=1: ITL p50 steps 8 per step / steps 1", itl_ratio, TARGETS["itl_step_vs_steps1_at_1"], False)
     for config in results["served"]:
-        check(f"start to READY (s), {config['label']}", config["ready_seconds"], 10.0, False)
-        check(f"idle RSS of server processes (GB), {config['label']}", config["idle_memory"]["rss_gb"], 2.4, False)
+        check(f"start to READY (s), {config['label']}", config["ready_seconds"], TARGETS["ready_seconds"], False)
+        check(
+            f"idle RSS of server processes (GB), {config['label']}",
+            config["idle_memory"]["rss_gb"],
+            TARGETS["idle_memory_gb"],
+            False,
+        )
     results["targets"] = checks
 
 

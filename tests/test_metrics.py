@@ -102,9 +102,24 @@ def test_metrics_are_exposed_with_triton_vllm_names_kinds_and_labels(server) -> 
     assert f'vllm:time_to_first_token_seconds_bucket{{model="{LLM_MODEL}",version="1",le="0.001"}}' in text
 
 
+def quiescent_snapshot(server) -> dict[str, float]:
+    """A snapshot once the engine is idle and two scrapes a flush interval apart agree: counts of
+    earlier tests' last responses may still be on their way (flushed every 0.25 s)."""
+    previous: list[dict[str, float]] = []
+
+    def stable() -> bool:
+        text = scrape(server)
+        current = snapshot(text)
+        same = idle(text) and bool(previous) and previous[-1] == current
+        previous.append(current)
+        return same
+
+    assert wait_for(stable, timeout=60, interval=0.6), "the metrics never settled"
+    return previous[-1]
+
+
 def test_request_counters_and_histograms_count_exactly_what_was_served(server) -> None:
-    assert wait_for(lambda: idle(scrape(server)), timeout=60), "the engine never went idle"
-    before = snapshot(scrape(server))
+    before = quiescent_snapshot(server)
     results = run_requests(server.grpc_url)
     for result, (_, max_tokens) in zip(results, STREAMED + WHOLE, strict=True):
         assert result.error is None and result.finals == 1
