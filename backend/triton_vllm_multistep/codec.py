@@ -200,8 +200,8 @@ def _bool_input(name: str, array: np.ndarray | None) -> bool | None:
     raise RequestError(f"input '{name}' must be BOOL, got {array.dtype}")
 
 
-def _text(name: str, array: np.ndarray) -> str:
-    value = _scalar(name, array)
+def string_value(name: str, value: Any, dtype: Any = None) -> str:
+    """One element of a STRING (BYTES) input as text; errors name the input."""
     if isinstance(value, bytes | np.bytes_):
         try:
             return bytes(value).decode("utf-8")
@@ -209,7 +209,12 @@ def _text(name: str, array: np.ndarray) -> str:
             raise RequestError(f"input '{name}' is not valid UTF-8: {error.reason} at byte {error.start}") from None
     if isinstance(value, str):
         return value
-    raise RequestError(f"input '{name}' must be STRING (BYTES), got {array.dtype}")
+    raise RequestError(f"input '{name}' must be STRING (BYTES), got {dtype or type(value).__name__}")
+
+
+def string_input(name: str, array: np.ndarray) -> str:
+    """A STRING input that must hold exactly one element, as text."""
+    return string_value(name, _scalar(name, array), array.dtype)
 
 
 def _json_type(value: Any) -> str:
@@ -265,13 +270,14 @@ def _check_ranges(kwargs: dict[str, Any], model: ModelLimits) -> None:
     max_tokens = kwargs.get("max_tokens")
     if max_tokens is not None and max_tokens < 1:
         raise RequestError(f"sampling_parameters.max_tokens must be >= 1, got {max_tokens}")
-    if limits.max_tokens and max_tokens is None:
-        # vLLM's default (16) must not exceed a smaller configured limit either.
-        kwargs["max_tokens"] = min(16, limits.max_tokens)
-    if limits.max_tokens and max_tokens is not None and max_tokens > limits.max_tokens:
-        raise RequestError(
-            f"sampling_parameters.max_tokens={max_tokens} exceeds this model's limit of {limits.max_tokens}"
-        )
+    if limits.max_tokens:
+        if max_tokens is None:
+            # vLLM's default (16) must not exceed a smaller configured limit either.
+            kwargs["max_tokens"] = min(16, limits.max_tokens)
+        elif max_tokens > limits.max_tokens:
+            raise RequestError(
+                f"sampling_parameters.max_tokens={max_tokens} exceeds this model's limit of {limits.max_tokens}"
+            )
     for name in ("n", "best_of"):
         value = kwargs.get(name)
         if value is not None and not 1 <= value <= limits.max_n:
@@ -314,7 +320,7 @@ def decode_request(
         )
     prompt_text: str | None = None
     if has_text:
-        prompt_text = _text("text_input", inputs["text_input"])
+        prompt_text = string_input("text_input", inputs["text_input"])
         if not prompt_text:
             raise RequestError("the prompt has no tokens: 'text_input' is empty")
         prompt_ids = encode(prompt_text)
@@ -345,7 +351,7 @@ def decode_request(
     fields = parse_sampling_fields(parameters_json, "request parameters")
     fields = {k: v for k, v in fields.items() if k not in TRITON_RESERVED_PARAMETERS and not k.startswith("triton_")}
     if "sampling_parameters" in inputs:
-        text = _text("sampling_parameters", inputs["sampling_parameters"])
+        text = string_input("sampling_parameters", inputs["sampling_parameters"])
         fields.update(parse_sampling_fields(text, "input 'sampling_parameters'"))
     params = sampling_params(fields, stream, model)
     if not exclude and prompt_text is None:

@@ -87,9 +87,6 @@ class Responder:
 
     def fail(self, request_id: str, message: str, code: Any) -> None:
         """End a registered request with an error FINAL, unless it has already ended."""
-        self._finish_with_error(request_id, message, code)
-
-    def _finish_with_error(self, request_id: str, message: str, code: Any) -> None:
         with self._lock:
             state = self._states.pop(request_id, None)
         if state is not None:
@@ -123,12 +120,12 @@ class Responder:
         if isinstance(event, StepOutputs):
             self._send_outputs(event)
         elif isinstance(event, RequestFailed):
-            self._finish_with_error(event.request_id, event.message, self._pb.TritonError.INVALID_ARG)
+            self.fail(event.request_id, event.message, self._pb.TritonError.INVALID_ARG)
         elif isinstance(event, EngineDied):
             with self._lock:
                 lost = list(self._states)
             for request_id in lost:
-                self._finish_with_error(request_id, event.message, self._pb.TritonError.UNAVAILABLE)
+                self.fail(request_id, event.message, self._pb.TritonError.UNAVAILABLE)
 
     def _send_outputs(self, event: StepOutputs) -> None:
         for output in event.outputs:
@@ -144,7 +141,7 @@ class Responder:
             except Exception as error:
                 logger.exception("could not encode response for %s", output.request_id)
                 self._abort(output.request_id)
-                self._finish_with_error(
+                self.fail(
                     output.request_id, f"internal error encoding the response: {error}", self._pb.TritonError.INTERNAL
                 )
                 continue
@@ -174,7 +171,7 @@ class Responder:
         if not state.sender.is_cancelled():
             return False
         self._abort(request_id)
-        self._finish_with_error(request_id, "request cancelled by the client", self._pb.TritonError.CANCELLED)
+        self.fail(request_id, "request cancelled by the client", self._pb.TritonError.CANCELLED)
         return True
 
     def _sweep_cancelled(self) -> None:

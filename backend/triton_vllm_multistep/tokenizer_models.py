@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import demo_models
-from .codec import RequestError
+from .codec import RequestError, string_input, string_value
 from .detokenization import slice_window, window_decoder
 
 # Scalar ensemble inputs that map onto one vLLM sampling field (TensorRT-LLM name → vLLM name).
@@ -37,27 +37,8 @@ def load_tokenizer(reference: str) -> Any:
     return AutoTokenizer.from_pretrained(demo_models.resolve(reference))
 
 
-def _string(name: str, array: np.ndarray) -> str:
-    values = array.reshape(-1)
-    if values.size != 1:
-        raise RequestError(f"input '{name}' must hold exactly one string, got {values.size}")
-    value = values[0]
-    try:
-        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-    except UnicodeDecodeError:
-        raise RequestError(f"input '{name}' is not valid UTF-8") from None
-
-
 def _word_list(name: str, array: np.ndarray) -> list[str]:
-    words = []
-    for value in array.reshape(-1):
-        try:
-            word = value.decode("utf-8") if isinstance(value, bytes) else str(value)
-        except UnicodeDecodeError:
-            raise RequestError(f"input '{name}' is not valid UTF-8") from None
-        if word:
-            words.append(word)
-    return words
+    return [word for word in (string_value(name, value) for value in array.reshape(-1)) if word]
 
 
 class Preprocessor:
@@ -69,7 +50,7 @@ class Preprocessor:
     def prompt_ids(self, inputs: Mapping[str, np.ndarray]) -> list[int]:
         if "messages" in inputs:
             try:
-                messages = json.loads(_string("messages", inputs["messages"]))
+                messages = json.loads(string_input("messages", inputs["messages"]))
             except json.JSONDecodeError as error:
                 raise RequestError(f"input 'messages' is not valid JSON: {error.msg}") from None
             if not isinstance(messages, list) or not all(
@@ -82,7 +63,7 @@ class Preprocessor:
             return self.tokenizer.encode(text, add_special_tokens=False)
         if "text_input" not in inputs:
             raise RequestError("input 'text_input' is required (or 'messages' for a chat)")
-        text = _string("text_input", inputs["text_input"])
+        text = string_input("text_input", inputs["text_input"])
         if not text:
             raise RequestError("input 'text_input' is empty")
         return self.tokenizer.encode(text)
@@ -91,7 +72,7 @@ class Preprocessor:
         fields: dict[str, Any] = {}
         if "sampling_parameters" in inputs:
             try:
-                fields = json.loads(_string("sampling_parameters", inputs["sampling_parameters"]) or "{}")
+                fields = json.loads(string_input("sampling_parameters", inputs["sampling_parameters"]) or "{}")
             except json.JSONDecodeError as error:
                 raise RequestError(f"input 'sampling_parameters' is not valid JSON: {error.msg}") from None
             if not isinstance(fields, dict):
