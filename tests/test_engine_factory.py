@@ -15,9 +15,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import pytest
 import torch
 import vllm.platforms
-from vllm import EngineArgs, SamplingParams
+from vllm import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
-from vllm.sampling_params import GuidedDecodingParams
 
 from triton_vllm_multistep import demo_models, engine_factory
 from triton_vllm_multistep.cpu_multistep import WORKER_QUALNAME, CPUMultiStepEngine
@@ -25,7 +24,6 @@ from triton_vllm_multistep.engine_factory import (
     EngineBuildError,
     build_engine,
     cpu_multistep_config,
-    unsupported_request_features,
 )
 
 
@@ -64,14 +62,6 @@ def test_tensor_parallel_refusal_reason_still_holds() -> None:
 
     assert hasattr(torch.ops._C, "rms_norm")
     assert not hasattr(torch.ops._C, "init_shm_manager")
-
-
-def test_request_refusals() -> None:
-    assert unsupported_request_features(SamplingParams()) == []
-    guided = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["a", "b"]))
-    assert unsupported_request_features(guided) == ["guided decoding"]
-    processors = SamplingParams(logits_processors=[lambda ids, logits: logits])
-    assert unsupported_request_features(processors) == ["logits processors"]
 
 
 def test_cpu_config_carries_the_multi_step_settings(demo_path: str) -> None:
@@ -145,17 +135,18 @@ def test_model_class_is_inspected_in_process_not_in_a_subprocess(demo_path: str,
     assert config.model_config.runner_type == "generate"
 
 
-def test_a_core_is_left_to_serving_unless_the_user_chose_threads(monkeypatch) -> None:
-    before = torch.get_num_threads()
+def test_a_served_engine_leaves_a_core_unless_the_user_chose_threads(monkeypatch) -> None:
     cores = len(os.sched_getaffinity(0))
-    try:
-        torch.set_num_threads(cores)
-        monkeypatch.setenv("OMP_NUM_THREADS", str(cores))
-        assert engine_factory.leave_a_core_for_serving() is None
-        assert torch.get_num_threads() == cores
-        monkeypatch.delenv("OMP_NUM_THREADS")
-        expected = cores - 1 if cores > 1 else None
-        assert engine_factory.leave_a_core_for_serving() == expected
-        assert torch.get_num_threads() == max(1, cores - 1)
-    finally:
-        torch.set_num_threads(before)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert engine_factory.serving_torch_threads() == (cores - 1 if cores > 1 else None)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    assert engine_factory.serving_torch_threads() == 15
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0})
+    assert engine_factory.serving_torch_threads() is None
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert engine_factory.serving_torch_threads() is None
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3")
+    assert engine_factory.serving_torch_threads() is None

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any
 
 os.environ.setdefault("VLLM_USE_V1", "0")
 
@@ -32,16 +31,6 @@ _CPU_PARALLEL_REASON = (
     "provide (the shared-memory all-reduce is only compiled into AVX-512 source builds), so "
     "tensor_parallel_size and pipeline_parallel_size must be 1 with num_scheduler_steps > 1 on CPU"
 )
-
-
-def unsupported_request_features(sampling_params: Any) -> list[str]:
-    """Features of one request that a multi-step engine cannot honour (empty when it can)."""
-    problems = []
-    if getattr(sampling_params, "guided_decoding", None) is not None:
-        problems.append("guided decoding")
-    if getattr(sampling_params, "logits_processors", None):
-        problems.append("logits processors")
-    return problems
 
 
 def unsupported_engine_features(engine_args: EngineArgs) -> list[str]:
@@ -97,19 +86,17 @@ def preload_model_classes(engine_args: EngineArgs) -> list[str]:
         return []
 
 
-def leave_a_core_for_serving() -> int | None:
-    """On a CPU host, run the engine's torch threads on all cores but one; returns the new count.
+def serving_torch_threads() -> int | None:
+    """torch threads for a served engine on a CPU host: all cores but one; None = torch's own choice.
 
     A served engine shares the host with the threads that build and send each response (the
     responder, Triton's frontend and gRPC threads, often the clients too). torch's OpenMP threads
     meet at a barrier after every operator, so when any of them is descheduled for one of those
     threads, every operator of the forward pass waits for it: on a 2-core host, 2 torch threads
-    under serving load decode far slower than 1. Nothing changes when the user chose a thread
-    count (OMP_NUM_THREADS, VLLM_CPU_OMP_THREADS_BIND) or torch already uses fewer threads.
-    Call before the engine is built, from the thread that builds it: torch hands the count on to
-    threads started later (the engine thread).
+    under serving load decode slower than 1 (measured per step and per window, 1 to 64 streams;
+    see the README's Performance section). None when the user chose a thread count
+    (OMP_NUM_THREADS, VLLM_CPU_OMP_THREADS_BIND), on GPU hosts and on one core.
     """
-    import torch
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu() or os.environ.get("OMP_NUM_THREADS"):
@@ -117,11 +104,7 @@ def leave_a_core_for_serving() -> int | None:
     if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "all") != "all":
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if cores < 2 or torch.get_num_threads() < cores:
-        return None
-    torch.set_num_threads(cores - 1)
-    logger.info("torch threads: %d of %d cores, one left to the serving threads", cores - 1, cores)
-    return cores - 1
+    return cores - 1 if cores >= 2 else None
 
 
 def build_engine(engine_args: EngineArgs, *, stream_per_step: bool = True) -> LLMEngine:

@@ -74,7 +74,7 @@ class ModelServer:
     """Everything one Triton model instance runs."""
 
     def __init__(self, pb_utils: Any, args: dict[str, str]) -> None:
-        from .engine_factory import build_engine, leave_a_core_for_serving
+        from .engine_factory import build_engine, serving_torch_threads
         from .engine_loop import EngineLoop
         from .responder import Responder
 
@@ -94,44 +94,56 @@ class ModelServer:
                 args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0)), parallel
             )
         )
-        leave_a_core_for_serving()
-        self.engine = build_engine(engine_args, stream_per_step=self.settings.stream_per_step)
-        self._tokenizer = self._load_tokenizer(engine_args)
-        model = self.engine.model_config
-        tokenizer_vocab = getattr(self._tokenizer, "max_token_id", len(self._tokenizer) - 1) + 1
-        self.limits = codec.ModelLimits(
-            vocab_size=min(model.get_vocab_size(), tokenizer_vocab),
-            max_model_len=model.max_model_len,
-            limits=self.settings.limits,
-        )
-        self.metrics = None
-        if self.settings.enable_metrics:
-            from .metrics import BackendMetrics
-
-            self.metrics = BackendMetrics(
-                pb_utils, model_config["name"], str(args.get("model_version", "1")), model.max_model_len
-            )
-        self.responder = Responder(pb_utils, abort=lambda rid: self.loop.abort(rid), observer=self.metrics)
-        self.responder.window_decode = window_decoder(self._load_tokenizer(engine_args))
+        torch_threads = serving_torch_threads()
         self.loop = EngineLoop(
-            self.engine,
-            sink=self.responder.post,
-            on_state=self.metrics.update_engine_state if self.metrics else None,
-            time_steps=self.metrics is not None,
-            on_death=self._on_engine_death,
+            lambda: build_engine(engine_args, stream_per_step=self.settings.stream_per_step), torch_threads
         )
-        # Everything built so far (torch, vLLM, the model: ~10^6 objects) lives as long as the
-        # model; without this, every full collection walks all of it (~250 ms with all threads
-        # stopped) while serving. Frozen objects are never collected, so collect once first.
-        gc.collect()
-        gc.freeze()
-        self.responder.start()
-        self.loop.start()
+        try:
+            self.engine = self.loop.start_engine()
+        except BaseException:
+            self.loop.stop()
+            raise
+        try:
+            self._tokenizer = self._load_tokenizer(engine_args)
+            model = self.engine.model_config
+            tokenizer_vocab = getattr(self._tokenizer, "max_token_id", len(self._tokenizer) - 1) + 1
+            self.limits = codec.ModelLimits(
+                vocab_size=min(model.get_vocab_size(), tokenizer_vocab),
+                max_model_len=model.max_model_len,
+                limits=self.settings.limits,
+            )
+            self.metrics = None
+            if self.settings.enable_metrics:
+                from .metrics import BackendMetrics
+
+                self.metrics = BackendMetrics(
+                    pb_utils, model_config["name"], str(args.get("model_version", "1")), model.max_model_len
+                )
+            self.responder = Responder(pb_utils, abort=lambda rid: self.loop.abort(rid), observer=self.metrics)
+            self.responder.window_decode = window_decoder(self._load_tokenizer(engine_args))
+            # Everything built so far (torch, vLLM, the model: ~10^6 objects) lives as long as the
+            # model; without this, every full collection walks all of it (~250 ms with all threads
+            # stopped) while serving. Frozen objects are never collected, so collect once first.
+            gc.collect()
+            gc.freeze()
+            self.responder.start()
+            self.loop.serve(
+                sink=self.responder.post,
+                on_state=self.metrics.update_engine_state if self.metrics else None,
+                time_steps=self.metrics is not None,
+                on_death=self._on_engine_death,
+            )
+        except BaseException:
+            self.loop.stop()
+            self.engine.model_executor.shutdown()
+            raise
+        model = self.engine.model_config
         logger.info(
-            "vllm_multistep: model %s ready: num_scheduler_steps=%d, streaming per %s",
+            "vllm_multistep: model %s ready: num_scheduler_steps=%d, streaming per %s, torch threads %s",
             model.model,
             self.engine.scheduler_config.num_scheduler_steps,
             "step" if self.settings.stream_per_step else "scheduling window",
+            torch_threads if torch_threads is not None else "torch's default",
         )
 
     @staticmethod
