@@ -10,10 +10,12 @@ on the demo model with the shipped model.json settings and a 1 GiB KV cache:
 4. served, steps 8, one response per scheduling window (`stream_mode` window);
 
 at each concurrency (1, 8, 32, 64 streams by default). One server per configuration, started
-one after the other. The load generator is `tritonclient.grpc.aio`: `concurrency` streams start
-together (one wave; a few waves per level), each with a distinct prompt, greedy, a fixed number of
-output tokens (`ignore_eos`). Throughput is that of the best wave (as the offline figures are best
-of `--repeats`: the host is shared); latencies are over all waves. CPU seconds per 1,000 output
+one after the other and all kept running; at each level the waves alternate between them, so
+that the configurations' figures are taken seconds apart and a shared host's drift hits them
+alike. The load generator is `tritonclient.grpc.aio`: `concurrency` streams start together (one
+wave; a few waves per level and configuration), each with a distinct prompt, greedy, a fixed
+number of output tokens (`ignore_eos`). Throughput is that of the best wave (as the offline
+figures are best of `--repeats`: the host is shared); latencies are over all waves. CPU seconds per 1,000 output
 tokens are measured with psutil for tritonserver, the Python backend stub (where the engine runs)
 and this client. Writes benchmarks/results/served.json and served.png; asserts nothing, but prints
 whether each target of the performance issue is met.
@@ -28,8 +30,6 @@ import math
 import os
 import platform
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +37,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from triton_vllm_multistep import local_server
+from triton_vllm_multistep.local_server import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -107,7 +110,7 @@ def offline_worker(concurrencies: list[int], max_tokens: int, repeats: int) -> d
     """Runs in a child process: LLM.generate on our engine (steps 1 and 8) + forward-only ceiling.
 
     Each is measured with torch on all cores and on all cores but one (what the served engine
-    uses, see engine_factory.leave_a_core_for_serving), and the best is kept: the ceiling is the
+    uses, see engine_factory.serving_torch_threads), and the best is kept: the ceiling is the
     most this engine does offline on this host, whichever thread count gets it there.
     """
     os.environ["VLLM_USE_V1"] = "0"
@@ -217,17 +220,6 @@ def run_offline(concurrencies: list[int], max_tokens: int, repeats: int) -> dict
 # --------------------------------------------------------------------------- server
 
 
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 def make_repository(target: Path, steps: int, stream_mode: str) -> Path:
     model_dir = target / MODEL
     shutil.copytree(SOURCE_MODEL, model_dir)
@@ -238,87 +230,17 @@ def make_repository(target: Path, steps: int, stream_mode: str) -> Path:
     return target
 
 
-@dataclass
-class Server:
-    process: subprocess.Popen
-    grpc_port: int
-    http_port: int
-    log_path: Path
-
-    def tree(self) -> list[Any]:
-        import psutil
-
-        try:
-            return psutil.Process(self.process.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
-
-    def groups(self) -> dict[str, list[Any]]:
-        """tritonserver and its Python backend stubs (where the engines run)."""
-        groups: dict[str, list[Any]] = {"tritonserver": [], "stub": []}
-        for proc in self.tree():
-            try:
-                cmd = " ".join(proc.cmdline())
-            except Exception:
-                continue
-            if "triton_python_backend_stub" in cmd:
-                groups["stub"].append(proc)
-            elif proc.name() == "tritonserver":
-                groups["tritonserver"].append(proc)
-        return groups
-
-    def wait_ready(self, started: float, timeout: float = 300.0) -> float:
-        import requests
-
-        while time.monotonic() - started < timeout:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                if requests.get(f"http://127.0.0.1:{self.http_port}/v2/health/ready", timeout=1).status_code == 200:
-                    return time.monotonic() - started
-            except requests.RequestException:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"server not ready within {timeout} s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 40) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-
-
-def start_server(repository: Path, log_path: Path, attempts: int = 3) -> tuple[Server, float]:
+def start_server(repository: Path, log_path: Path, attempts: int = 3) -> tuple[ServerProcess, float]:
     """Start the launcher on free ports; returns the server and its seconds from start to READY.
 
     Other servers may start on this host meanwhile: a port taken between choosing and binding it
     only costs a retry on new ports.
     """
     for attempt in range(attempts):
-        http_port, grpc_port, metrics_port = free_ports(3)
-        command = [
-            sys.executable,
-            "-m",
-            "triton_vllm_multistep",
-            "serve",
-            f"--model-repository={repository}",
-            f"--http-port={http_port}",
-            f"--grpc-port={grpc_port}",
-            f"--metrics-port={metrics_port}",
-        ]
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KV_CACHE_GIB)
         started = time.monotonic()
-        process = subprocess.Popen(command, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
-        server = Server(process, grpc_port, http_port, log_path)
+        server = local_server.start_server(repository, log_path, env={"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB})
         try:
-            return server, server.wait_ready(started)
+            return server, server.wait_ready(poll=0.05, started=started)
         except RuntimeError:
             server.stop()
             if "already in use" not in log_path.read_text(errors="replace") or attempt == attempts - 1:
@@ -327,10 +249,10 @@ def start_server(repository: Path, log_path: Path, attempts: int = 3) -> tuple[S
     raise AssertionError("unreachable")
 
 
-def memory_of(server: Server) -> dict[str, float]:
+def memory_of(server: ServerProcess) -> dict[str, float]:
     """Resident (RSS) and proportional (PSS) memory of tritonserver + stubs, in GB."""
     rss = pss = 0
-    for proc in [p for group in server.groups().values() for p in group]:
+    for proc in [p for group in server.process_groups().values() for p in group]:
         try:
             info = proc.memory_full_info()
         except Exception:
@@ -408,47 +330,73 @@ async def one_request(client: Any, grpcaio: Any, text: str, sampling: bytes) -> 
     return record
 
 
+async def run_wave(client: Any, grpcaio: Any, concurrency: int, base: int, sampling: bytes) -> list[RequestRecord]:
+    """`concurrency` streams started together, each with its own prompt; returns when all ended."""
+    return await asyncio.gather(*(one_request(client, grpcaio, prompt(base + i), sampling) for i in range(concurrency)))
+
+
+@dataclass
+class LevelTally:
+    """One configuration's waves at one concurrency."""
+
+    records: list[RequestRecord]
+    wave_rates: list[float]
+    wave_responses: list[float]
+    seconds: float = 0.0
+    cpu: dict[str, float] | None = None
+
+
+def _cpu_now(groups: dict[str, list[Any]], me: Any) -> dict[str, float]:
+    return {
+        "tritonserver": cpu_seconds(groups["tritonserver"]),
+        "stub": cpu_seconds(groups["stub"]),
+        "client": cpu_seconds([me]),
+    }
+
+
 async def run_level(
-    grpc_url: str, concurrency: int, waves: int, max_tokens: int, server: Server, offset: int
-) -> dict[str, Any]:
+    servers: dict[str, ServerProcess], concurrency: int, waves: int, max_tokens: int, offset: int
+) -> dict[str, dict[str, Any]]:
+    """Waves at one concurrency on every server, interleaved: wave k runs on each configuration in
+    turn (the order rotating), so that the configurations' figures are taken seconds apart and a
+    shared host's drift hits them alike. Each server's CPU time is counted over its own waves."""
     import psutil
     import tritonclient.grpc.aio as grpcaio
 
     sampling = json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
-    client = grpcaio.InferenceServerClient(grpc_url)
+    names = list(servers)
+    clients = {name: grpcaio.InferenceServerClient(f"127.0.0.1:{servers[name].grpc_port}") for name in names}
+    groups = {name: servers[name].process_groups() for name in names}
     me = psutil.Process()
-    groups = server.groups()
-    records: list[RequestRecord] = []
-    wave_rates: list[float] = []
-    wave_responses: list[float] = []
+    tallies = {
+        name: LevelTally([], [], [], 0.0, dict.fromkeys(("tritonserver", "stub", "client"), 0.0)) for name in names
+    }
     try:
-        # One unmeasured wave: connections, first-call paths, the engine's batch shapes.
-        await asyncio.gather(*(one_request(client, grpcaio, prompt(offset + i), sampling) for i in range(concurrency)))
-        cpu_before = {
-            "tritonserver": cpu_seconds(groups["tritonserver"]),
-            "stub": cpu_seconds(groups["stub"]),
-            "client": cpu_seconds([me]),
-        }
-        total_start = time.perf_counter()
+        for name in names:  # one unmeasured wave each: connections, first-call paths, batch shapes
+            await run_wave(clients[name], grpcaio, concurrency, offset, sampling)
         for wave in range(waves):
             base = offset + (wave + 1) * concurrency
-            start = time.perf_counter()
-            batch = await asyncio.gather(
-                *(one_request(client, grpcaio, prompt(base + i), sampling) for i in range(concurrency))
-            )
-            elapsed = time.perf_counter() - start
-            records.extend(batch)
-            wave_rates.append(sum(r.tokens for r in batch) / elapsed)
-            wave_responses.append(sum(len(r.counts) for r in batch) / elapsed)
-        total_seconds = time.perf_counter() - total_start
-        cpu_after = {
-            "tritonserver": cpu_seconds(groups["tritonserver"]),
-            "stub": cpu_seconds(groups["stub"]),
-            "client": cpu_seconds([me]),
-        }
+            for name in names[wave % len(names) :] + names[: wave % len(names)]:
+                tally = tallies[name]
+                before = _cpu_now(groups[name], me)
+                start = time.perf_counter()
+                batch = await run_wave(clients[name], grpcaio, concurrency, base, sampling)
+                elapsed = time.perf_counter() - start
+                after = _cpu_now(groups[name], me)
+                for key in tally.cpu:
+                    tally.cpu[key] += after[key] - before[key]
+                tally.seconds += elapsed
+                tally.records.extend(batch)
+                tally.wave_rates.append(sum(r.tokens for r in batch) / elapsed)
+                tally.wave_responses.append(sum(len(r.counts) for r in batch) / elapsed)
     finally:
-        await client.close()
+        for client in clients.values():
+            await client.close()
+    return {name: summarize(tallies[name], concurrency, waves, max_tokens) for name in names}
 
+
+def summarize(tally: LevelTally, concurrency: int, waves: int, max_tokens: int) -> dict[str, Any]:
+    records = tally.records
     tokens = sum(r.tokens for r in records)
     errors = sum(1 for r in records if r.error or r.tokens != max_tokens)
     ttft = [1000 * (r.arrivals[0] - r.sent) for r in records if r.arrivals]
@@ -462,17 +410,17 @@ async def run_level(
     gaps: list[float] = []  # per response: the gap since the previous response of the request
     for r in records:
         gaps.extend(1000 * (now - previous) for previous, now in zip(r.arrivals, r.arrivals[1:], strict=False))
-    best = max(range(len(wave_rates)), key=wave_rates.__getitem__)
-    per_1k = {name: 1000 * (cpu_after[name] - cpu_before[name]) / max(tokens, 1) for name in cpu_before}
+    best = max(range(len(tally.wave_rates)), key=tally.wave_rates.__getitem__)
+    per_1k = {name: 1000 * seconds / max(tokens, 1) for name, seconds in (tally.cpu or {}).items()}
     return {
         "concurrency": concurrency,
         "waves": waves,
         "requests": len(records),
         "output_tokens": tokens,
-        "tokens_per_s": wave_rates[best],
-        "tokens_per_s_mean": tokens / total_seconds,
-        "tokens_per_s_waves": wave_rates,
-        "responses_per_s": wave_responses[best],
+        "tokens_per_s": tally.wave_rates[best],
+        "tokens_per_s_mean": tokens / tally.seconds,
+        "tokens_per_s_waves": tally.wave_rates,
+        "responses_per_s": tally.wave_responses[best],
         "ttft_ms": percentiles(ttft),
         "itl_ms": percentiles(itl),
         "inter_response_ms": percentiles(gaps),
@@ -482,45 +430,45 @@ async def run_level(
 
 
 def run_served(
-    name: str, concurrencies: list[int], max_tokens: int, wave_scale: float, workdir: Path
-) -> dict[str, Any]:
-    label, steps, mode = CONFIGS[name]
-    repository = make_repository(workdir / name, steps, mode)
-    log_path = workdir / f"{name}.log"
-    server, ready = start_server(repository, log_path)
+    names: list[str], concurrencies: list[int], max_tokens: int, wave_scale: float, workdir: Path
+) -> list[dict[str, Any]]:
+    """One server per configuration, started one after the other (start-up and idle memory are
+    measured while the others idle), then every concurrency level on all of them, interleaved."""
+    servers: dict[str, ServerProcess] = {}
+    served: dict[str, dict[str, Any]] = {}
     try:
-        print(f"{label}: READY after {ready:.1f} s", flush=True)
-        time.sleep(3.0)  # let start-up allocations settle before reading idle memory
-        memory = memory_of(server)
-        levels = []
+        for name in names:
+            label, steps, mode = CONFIGS[name]
+            repository = make_repository(workdir / name, steps, mode)
+            server, ready = start_server(repository, workdir / f"{name}.log")
+            servers[name] = server
+            print(f"{label}: READY after {ready:.1f} s", flush=True)
+            time.sleep(3.0)  # let start-up allocations settle before reading idle memory
+            served[name] = {
+                "name": name,
+                "label": label,
+                "num_scheduler_steps": steps,
+                "stream_mode": mode,
+                "ready_seconds": ready,
+                "idle_memory": memory_of(server),
+                "levels": [],
+            }
         for index, concurrency in enumerate(concurrencies):
-            level = asyncio.run(
-                run_level(
-                    f"127.0.0.1:{server.grpc_port}",
-                    concurrency,
-                    waves_for(concurrency, wave_scale),
-                    max_tokens,
-                    server,
-                    offset=10_000 * (index + 1),
+            levels = asyncio.run(
+                run_level(servers, concurrency, waves_for(concurrency, wave_scale), max_tokens, 10_000 * (index + 1))
+            )
+            for name, level in levels.items():
+                served[name]["levels"].append(level)
+                print(
+                    f"  {served[name]['label']}, c={concurrency:3d}: {level['tokens_per_s']:8.1f} tok/s"
+                    f"  ttft p50 {level['ttft_ms']['p50']:.1f} ms  itl p50 {level['itl_ms']['p50']:.2f} ms"
+                    f"  errors {level['errors']}",
+                    flush=True,
                 )
-            )
-            levels.append(level)
-            print(
-                f"  c={concurrency:3d}: {level['tokens_per_s']:8.1f} tok/s  ttft p50 {level['ttft_ms']['p50']:.1f} ms"
-                f"  itl p50 {level['itl_ms']['p50']:.2f} ms  errors {level['errors']}",
-                flush=True,
-            )
     finally:
-        server.stop()
-    return {
-        "name": name,
-        "label": label,
-        "num_scheduler_steps": steps,
-        "stream_mode": mode,
-        "ready_seconds": ready,
-        "idle_memory": memory,
-        "levels": levels,
-    }
+        for server in servers.values():
+            server.stop()
+    return [served[name] for name in names]
 
 
 # --------------------------------------------------------------------------- report
@@ -739,10 +687,8 @@ def main() -> None:
         offline = json.loads(args.output.read_text())["offline"]
     else:
         offline = run_offline(args.concurrency, args.max_tokens, args.repeats)
-    served = []
     with tempfile.TemporaryDirectory(prefix="served-bench-") as tmp:
-        for name in args.configs:
-            served.append(run_served(name, args.concurrency, args.max_tokens, args.wave_scale, Path(tmp)))
+        served = run_served(args.configs, args.concurrency, args.max_tokens, args.wave_scale, Path(tmp))
     results = {
         "model": "demo://tiny-llama-bpe",
         "max_tokens": args.max_tokens,

@@ -17,9 +17,8 @@ import pytest
 os.environ.setdefault("VLLM_USE_V1", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from server_process import ServerProcess, start_server
-
 from triton_vllm_multistep import demo_models
+from triton_vllm_multistep.local_server import ServerProcess, start_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_REPOSITORY = REPO_ROOT / "model_repository"

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import psutil
 import requests
-from server_process import ServerProcess
+
+from triton_vllm_multistep.local_server import ServerProcess
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_MODEL = REPO_ROOT / "model_repository" / "vllm_model"

@@ -17,9 +17,10 @@ import tritonclient.grpc as grpcclient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from private_servers import make_repository, metric, model_ready, scrape
-from server_process import ServerProcess, start_server
 from triton_clients import StreamResult, grpc_generate, make_inputs
 from tritonclient.utils import InferenceServerException
+
+from triton_vllm_multistep.local_server import ServerProcess, start_server
 
 MODEL = "vllm_model_limited"
 LIMITS = {"max_prompt_tokens": 32, "max_tokens_limit": 16, "max_n": 2, "max_request_bytes": 4096}

@@ -17,10 +17,10 @@ import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 from private_servers import make_repository, metric, model_ready, scrape, stub_processes, wait_for
-from server_process import ServerProcess, start_server
 from triton_clients import StreamResult, grpc_generate
 
 from triton_vllm_multistep.engine_loop import FAULT_FILE_ENV
+from triton_vllm_multistep.local_server import ServerProcess, start_server
 
 MODEL = "vllm_model"
 STAYING = "vllm_model_stays"  # unload_on_engine_failure: false

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from server_process import start_server
 
 from triton_vllm_multistep import launcher
 from triton_vllm_multistep.device import gpu_count, instance_device_environment
+from triton_vllm_multistep.local_server import start_server
 
 ECHO_REPOSITORY = Path(__file__).parent / "assets" / "echo_repository"
 

@@ -1,6 +1,7 @@
-"""Starting and stopping a real tritonserver through the project's launcher, for tests.
+"""A real tritonserver started through the project's launcher on free local ports.
 
-Owns ports, readiness polling and clean shutdown; knows nothing about the models served.
+For tests, benchmarks and scripts. Owns ports, readiness polling, the server's process tree and
+clean shutdown; knows nothing about the models served. Needs psutil and requests (test extra).
 """
 
 from __future__ import annotations
@@ -13,9 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import psutil
-import requests
+from typing import Any
 
 
 def free_ports(count: int) -> list[int]:
@@ -59,27 +58,48 @@ class ServerProcess:
         return "\n".join([*errors[-20:], "...", *all_lines[-lines:]])
 
     def is_ready(self) -> bool:
+        import requests
+
         try:
             return requests.get(f"{self.http_url}/v2/health/ready", timeout=2).status_code == 200
         except requests.RequestException:
             return False
 
-    def wait_ready(self, timeout: float = 300.0) -> float:
-        """Seconds until READY; raises with the log tail if the server exits or never gets there."""
-        started = time.monotonic()
+    def wait_ready(self, timeout: float = 300.0, poll: float = 0.25, started: float | None = None) -> float:
+        """Seconds until READY (since `started`, a monotonic time, if given); raises with the log
+        tail if the server exits or never gets there."""
+        started = time.monotonic() if started is None else started
         while time.monotonic() - started < timeout:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
             if self.is_ready():
                 return time.monotonic() - started
-            time.sleep(0.25)
+            time.sleep(poll)
         raise TimeoutError(f"server not ready within {timeout} s:\n{self.log_tail()}")
 
-    def descendants(self) -> list[psutil.Process]:
+    def descendants(self) -> list[Any]:
+        """psutil processes below the launcher: tritonserver and its Python backend stubs."""
+        import psutil
+
         try:
             return psutil.Process(self.process.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
+
+    def process_groups(self) -> dict[str, list[Any]]:
+        """tritonserver and its Python backend stubs (where the engines run), as psutil processes."""
+        groups: dict[str, list[Any]] = {"tritonserver": [], "stub": []}
+        for proc in self.descendants():
+            try:
+                command = " ".join(proc.cmdline())
+                name = proc.name()
+            except Exception:  # gone meanwhile
+                continue
+            if "triton_python_backend_stub" in command:
+                groups["stub"].append(proc)
+            elif name == "tritonserver":
+                groups["tritonserver"].append(proc)
+        return groups
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM the launcher (which forwards it); returns its exit code."""
