@@ -138,8 +138,8 @@ class EngineLoop:
     engine (start-up warm-up included) runs in that one thread: OpenMP keeps a thread team per
     thread that runs parallel operators, and once libgomp manages more threads than there are
     cores it stops spinning at its barriers and sleeps instead, which makes every multi-threaded
-    operator pay for waking its team (measured: a 2-thread matmul layer 190 µs → 375 µs when a
-    second thread also ran parallel operators). vLLM's CPU thread binding
+    operator pay for waking its team (measured: a 2-thread MLP layer 190-215 µs → 375-440 µs per
+    call once a second thread had run parallel operators). vLLM's CPU thread binding
     (VLLM_CPU_OMP_THREADS_BIND) is applied by the worker in the thread that builds it, hence
     in the thread that runs it too.
     """
