@@ -1,7 +1,8 @@
-"""The engine thread: the only code that touches the `LLMEngine` after it is built.
+"""The engine thread: builds the `LLMEngine` and is the only code that drives it.
 
-Owns admitting and aborting requests between steps and calling `step()`; must not build
-or send Triton responses (it hands `RequestOutput`s to a sink and returns to the engine).
+Owns running the engine build in its thread, admitting and aborting requests between steps and
+calling `step()`; must not build or send Triton responses (it hands `RequestOutput`s to a sink
+and returns to the engine).
 """
 
 from __future__ import annotations
