@@ -36,6 +36,8 @@ class Streams:
         self, server: ServerProcess, count: int, sampling: dict, timeout: float = 120, model: str = MODEL
     ) -> None:
         self.results: dict[int, StreamResult | BaseException] = {}
+        self._responded: set[int] = set()
+        self._any_response = threading.Condition()
         self._threads = [
             threading.Thread(target=self._run, args=(server, model, i, sampling, timeout), daemon=True)
             for i in range(count)
@@ -46,10 +48,27 @@ class Streams:
     def _run(self, server: ServerProcess, model: str, index: int, sampling: dict, timeout: float) -> None:
         try:
             self.results[index] = grpc_generate(
-                server.grpc_url, model, prompt=f"stream number {index}", sampling=sampling, stream=True, timeout=timeout
+                server.grpc_url,
+                model,
+                prompt=f"stream number {index}",
+                sampling=sampling,
+                stream=True,
+                timeout=timeout,
+                on_response=lambda: self._responded_once(index),
             )
         except BaseException as error:  # a hang shows up as TimeoutError here
             self.results[index] = error
+
+    def _responded_once(self, index: int) -> None:
+        if index not in self._responded:
+            with self._any_response:
+                self._responded.add(index)
+                self._any_response.notify_all()
+
+    def wait_streaming(self, timeout: float = 60) -> None:
+        """Until every stream has had a response: all are in flight (LONG ones stay so for seconds)."""
+        with self._any_response:
+            assert self._any_response.wait_for(lambda: len(self._responded) == len(self._threads), timeout)
 
     def join(self, timeout: float) -> dict[int, StreamResult | BaseException]:
         deadline = time.monotonic() + timeout
@@ -57,11 +76,6 @@ class Streams:
             thread.join(max(0.0, deadline - time.monotonic()))
         assert not any(t.is_alive() for t in self._threads), "a client is still waiting: something hangs"
         return self.results
-
-
-def wait_until_streaming(server: ServerProcess, running: int, timeout: float = 60, model: str = MODEL) -> None:
-    """Until the engine runs `running` requests (they have been admitted and produce tokens)."""
-    assert wait_for(lambda: (metric(scrape(server), "vllm:num_requests_running", model) or 0) >= running, timeout)
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +104,10 @@ def test_engine_failure_fails_streams_in_flight_refuses_new_and_unloads_the_mode
     fault_file: Path = server.fault_file  # type: ignore[attr-defined]
     streams = Streams(server, 3, LONG)
     staying = Streams(server, 2, LONG, model=STAYING)
-    wait_until_streaming(server, 3)
-    wait_until_streaming(server, 2, model=STAYING)
+    # Fault as soon as every stream has its first token: 1000-token streams are far from done then
+    # (waiting on the running-requests gauge instead let them finish first on a fast host).
+    streams.wait_streaming()
+    staying.wait_streaming()
     fault_file.touch()
     try:
         results = streams.join(timeout=60)
@@ -144,7 +160,7 @@ def test_unload_and_reload_with_streams_in_flight(lifecycle_server) -> None:
     assert wait_for(lambda: len(stub_processes(server)) == 1, timeout=60)
     stubs_before = {p.pid for p in stub_processes(server)}
     streams = Streams(server, 4, LONG)
-    wait_until_streaming(server, 4)
+    streams.wait_streaming()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         client.unload_model(MODEL)
@@ -177,7 +193,7 @@ def test_sigterm_under_load_ends_every_stream_and_leaves_no_process(tmp_path: Pa
         processes = server.descendants()
         assert stub_processes(server)
         streams = Streams(server, 8, LONG, timeout=exit_timeout + 60)
-        wait_until_streaming(server, 8)
+        streams.wait_streaming()
         started = time.monotonic()
         server.process.send_signal(15)
         code = server.process.wait(exit_timeout + 30)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,9 +92,12 @@ def grpc_generate(
     settle: float = 0.2,
     cancel_after: int | None = None,
     parameters: dict | None = None,
+    on_response: Callable[[], None] | None = None,
     **kwargs: Any,
 ) -> StreamResult:
-    """One request over a gRPC stream; waits `settle` s after the end to catch a second FINAL."""
+    """One request over a gRPC stream; waits `settle` s after the end to catch a second FINAL.
+
+    `on_response` is called (on this thread) after each data response arrives."""
     inputs = inputs if inputs is not None else make_inputs(grpcclient, **kwargs)
     events: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
@@ -119,6 +123,8 @@ def grpc_generate(
             if result.first_response_at is None:
                 result.first_response_at = at
             result.responses.append(_arrays(item))
+            if on_response is not None:
+                on_response()
             if item.get_response().parameters["triton_final_response"].bool_param:
                 result.finals += 1
                 ended = True

@@ -166,6 +166,7 @@ class EngineLoop:
         self._stopping = False
         self._in_engine: set[str] = set()
         self.error: str | None = None
+        self.torch_threads: int | None = None  # what the engine thread runs with, once built
         self._thread = threading.Thread(target=self._main, name="vllm-engine-loop", daemon=True)
 
     @property
@@ -269,11 +270,14 @@ class EngineLoop:
 
     def _main(self) -> None:
         try:
-            if self._torch_threads is not None:
-                import torch
-
-                torch.set_num_threads(self._torch_threads)
             self._engine = self._build()
+            import torch
+
+            # After the build: vLLM's multiprocessing executor (the CPU engine's, even with one
+            # worker) drops torch to 1 thread while building unless OMP_NUM_THREADS is set.
+            if self._torch_threads is not None:
+                torch.set_num_threads(self._torch_threads)
+            self.torch_threads = torch.get_num_threads()
         except BaseException as error:
             self._build_error = error
             return

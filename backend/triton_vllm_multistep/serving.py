@@ -143,7 +143,7 @@ class ModelServer:
             model.model,
             self.engine.scheduler_config.num_scheduler_steps,
             "step" if self.settings.stream_per_step else "scheduling window",
-            torch_threads if torch_threads is not None else "torch's default",
+            self.loop.torch_threads,
         )
 
     @staticmethod
