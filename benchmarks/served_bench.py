@@ -630,6 +630,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
             "k--" if steps == "8" else "k:",
             label=f"offline LLM.generate, steps {steps}",
         )
+    served_threads = str(min(offline.get("torch_threads") or [0]))
+    same_threads = (offline.get("llm_generate_by_threads") or {}).get("8", {}).get(served_threads)
+    if same_threads:
+        ax.plot(
+            concurrencies,
+            [same_threads[str(c)] for c in concurrencies],
+            color="tab:purple",
+            linestyle="--",
+            label=f"offline LLM.generate, steps 8, at the served torch threads ({served_threads})",
+        )
     ax.plot(
         concurrencies,
         [offline["forward_only"][str(c)] for c in concurrencies],
