@@ -3,22 +3,24 @@
 One command (`.venv/bin/python -m benchmarks.served_bench`, `--quick` for a short run) measures,
 on the demo model with the shipped model.json settings and a 1 GiB KV cache:
 
-1. the ceilings: the same engine offline (`LLM.generate` on the whole batch, steps 1 and 8) and the
-   forward-only ceiling of `step_timing` (run in a child process, never beside a server);
+1. the ceilings: the same engine offline (`LLM.generate` on the whole batch, steps 1 and 8, each
+   in a child process of its own, with torch on all cores and on all cores but one) and the
+   forward-only ceiling of `step_timing`;
 2. served, `num_scheduler_steps` 1;
 3. served, steps 8, one response per decoded step (`stream_mode` step);
 4. served, steps 8, one response per scheduling window (`stream_mode` window);
 
 at each concurrency (1, 8, 32, 64 streams by default). One server per configuration, started
-one after the other and all kept running; at each level the waves alternate between them, so
-that the configurations' figures are taken seconds apart and a shared host's drift hits them
-alike. The load generator is `tritonclient.grpc.aio`: `concurrency` streams start together (one
-wave; a few waves per level and configuration), each with a distinct prompt, greedy, a fixed
-number of output tokens (`ignore_eos`). Throughput is that of the best wave (as the offline
-figures are best of `--repeats`: the host is shared); latencies are over all waves. CPU seconds per 1,000 output
-tokens are measured with psutil for tritonserver, the Python backend stub (where the engine runs)
-and this client. Writes benchmarks/results/served.json and served.png; asserts nothing, but prints
-whether each target of the performance issue is met.
+one after the other and all kept running. At each level the waves alternate between them (the
+order rotating) and after each round the offline engines run the same batch, so that the
+figures a ratio compares are taken seconds apart and a shared host's drift hits them alike (the
+processes not being measured sit idle). The load generator is `tritonclient.grpc.aio`:
+`concurrency` streams start together (one wave; a few waves per level and configuration), each
+with a distinct prompt, greedy, a fixed number of output tokens (`ignore_eos`). Throughput is that
+of the best wave, offline that of the best run; latencies are over all waves. CPU seconds per
+1,000 output tokens are measured with psutil for tritonserver, the Python backend stub (where the
+engine runs) and this client. Writes benchmarks/results/served.json, .md and .png; asserts
+nothing, but prints whether each target of the performance issue is met.
 """
 
 from __future__ import annotations
@@ -58,9 +60,6 @@ CONFIGS: dict[str, tuple[str, int, str]] = {
     "steps8_step": ("served, steps 8, per step", 8, "step"),
     "steps8_window": ("served, steps 8, per window", 8, "window"),
 }
-# Offline repeats stop once one figure has taken this long (2 threads on a busy 2-core host can
-# run 30x slower than usual; the best of the runs so far is kept).
-OFFLINE_SECONDS_PER_FIGURE = 8.0
 # The issue's targets (checked here, never by timed tests).
 TARGET_CONCURRENCY = 32
 TARGETS = {
@@ -106,17 +105,19 @@ def engine_json(steps: int) -> dict[str, Any]:
     return data
 
 
-def offline_worker(concurrencies: list[int], max_tokens: int, repeats: int) -> dict[str, Any]:
-    """Runs in a child process: LLM.generate on our engine (steps 1 and 8) + forward-only ceiling.
+ANSWER_MARK = "@@offline-engine@@ "
 
-    Each is measured with torch on all cores and on all cores but one (what the served engine
-    uses, see engine_factory.serving_torch_threads), and the best is kept: the ceiling is the
-    most this engine does offline on this host, whichever thread count gets it there.
+
+def offline_engine_process(steps: int, max_tokens: int) -> None:
+    """Runs in a child process: one engine (the served model's settings at `steps`), measured on request.
+
+    Reads JSON commands on stdin, one per line, and answers each with one JSON line on stdout:
+    {"op": "generate", "threads": t, "batch": b} runs `LLM.generate` on `b` distinct prompts (the
+    same prompts and settings as a served wave) with torch on `t` threads; {"op": "forward_only",
+    "threads": t, "batch": b} measures step_timing's forward-only ceiling. Both answer {"tok_s": x}.
     """
     os.environ["VLLM_USE_V1"] = "0"
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = KV_CACHE_GIB
-    import gc
-
     import torch
     from vllm import LLM, SamplingParams
     from vllm.utils import Counter
@@ -125,96 +126,121 @@ def offline_worker(concurrencies: list[int], max_tokens: int, repeats: int) -> d
     from triton_vllm_multistep.engine_factory import build_engine
     from triton_vllm_multistep.step_timing import forward_only_ceiling
 
-    cores = torch.get_num_threads()
-    thread_counts = sorted({cores, max(1, cores - 1)}, reverse=True)
+    settings = backend_config.BackendSettings(stream_per_step=False)
+    engine = build_engine(backend_config.engine_args(engine_json(steps), SOURCE_MODEL, settings), stream_per_step=False)
+    # LLM.generate itself, on this engine (LLM() would build vLLM's CPU engine, which has no multi-step).
+    llm = LLM.__new__(LLM)
+    llm.llm_engine = engine
+    llm.engine_class = type(engine)
+    llm.request_counter = Counter()
+    llm.default_sampling_params = None
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    results: dict[str, Any] = {
-        "llm_generate": {},
-        "llm_generate_by_threads": {},
-        "forward_only": {},
-        "forward_only_by_threads": {},
-        "torch_threads": thread_counts,
-    }
-    for steps in (1, 8):
-        data = engine_json(steps)
-        settings = backend_config.BackendSettings(stream_per_step=False)
-        args = backend_config.engine_args(data, SOURCE_MODEL, settings)
-        engine = build_engine(args, stream_per_step=False)
-        # LLM.generate itself, on this engine (LLM() would build vLLM's CPU engine, which has no multi-step).
-        llm = LLM.__new__(LLM)
-        llm.llm_engine = engine
-        llm.engine_class = type(engine)
-        llm.request_counter = Counter()
-        llm.default_sampling_params = None
-        by_threads: dict[str, dict[str, float]] = {}
-        for threads in thread_counts:
-            torch.set_num_threads(threads)
-            llm.generate([prompt(i) for i in range(8)], params, use_tqdm=False)  # warm-up
-            figures = {}
-            for concurrency in concurrencies:
-                prompts = [prompt(i) for i in range(concurrency)]
-                best = 0.0
-                spent = 0.0
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    outputs = llm.generate(prompts, params, use_tqdm=False)
-                    elapsed = time.perf_counter() - start
-                    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-                    best = max(best, tokens / elapsed)
-                    spent += elapsed
-                    if spent > OFFLINE_SECONDS_PER_FIGURE:
-                        break  # a thread count that collapses on a busy host must not stall the run
-                figures[str(concurrency)] = best
-                print(
-                    f"offline LLM.generate steps={steps} threads={threads} batch={concurrency}: {best:8.1f} tok/s",
-                    flush=True,
-                )
-            by_threads[str(threads)] = figures
-        results["llm_generate_by_threads"][str(steps)] = by_threads
-        results["llm_generate"][str(steps)] = {
-            str(c): max(figures[str(c)] for figures in by_threads.values()) for c in concurrencies
-        }
-        if steps == 8:
-            context_len = len(engine.get_tokenizer().encode(prompt(0))) + max_tokens // 2
-            for threads in thread_counts:
-                torch.set_num_threads(threads)
-                figures = {}
-                for concurrency in concurrencies:
-                    value = max(
-                        forward_only_ceiling(engine, concurrency, context_len=context_len) for _ in range(repeats)
-                    )
-                    figures[str(concurrency)] = value
-                    print(f"forward-only ceiling threads={threads} batch={concurrency}: {value:8.1f} tok/s", flush=True)
-                results["forward_only_by_threads"][str(threads)] = figures
-            results["forward_only"] = {
-                str(c): max(f[str(c)] for f in results["forward_only_by_threads"].values()) for c in concurrencies
-            }
-        torch.set_num_threads(cores)
-        engine.model_executor.shutdown()
-        del llm, engine
-        gc.collect()
-    return results
+    context_len = len(engine.get_tokenizer().encode(prompt(0))) + max_tokens // 2
+    cores = torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") else len(os.sched_getaffinity(0))
+    for threads in sorted({cores, max(1, cores - 1)}):
+        torch.set_num_threads(threads)
+        llm.generate([prompt(i) for i in range(8)], params, use_tqdm=False)  # warm-up
+    print(ANSWER_MARK + json.dumps({"ready": True, "cores": cores}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        torch.set_num_threads(command["threads"])
+        batch = command["batch"]
+        if command["op"] == "forward_only":
+            value = forward_only_ceiling(engine, batch, context_len=context_len)
+        else:
+            prompts = [prompt(command.get("offset", 0) + i) for i in range(batch)]
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            value = sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
+        print(ANSWER_MARK + json.dumps({"tok_s": value}), flush=True)
+    engine.model_executor.shutdown()
 
 
-def run_offline(concurrencies: list[int], max_tokens: int, repeats: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "offline.json"
-        command = [
-            sys.executable,
-            "-m",
-            "benchmarks.served_bench",
-            "--offline-worker",
-            str(out),
-            "--max-tokens",
-            str(max_tokens),
-            "--repeats",
-            str(repeats),
-            "--concurrency",
-            *map(str, concurrencies),
-        ]
+class OfflineEngines:
+    """The same engine offline (steps 1 and 8, one child process each), measured between served waves.
+
+    Each figure is measured with torch on all cores and on all cores but one (what the served
+    engine uses, see engine_factory.serving_torch_threads); per concurrency the best run is kept
+    (as a served level keeps its best wave), and the ceiling is the best thread count.
+    """
+
+    STEPS = (1, 8)
+
+    def __init__(self, max_tokens: int) -> None:
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KV_CACHE_GIB, VLLM_USE_V1="0")
-        subprocess.run(command, check=True, cwd=ROOT, env=env)
-        return json.loads(out.read_text())
+        self._children: dict[int, subprocess.Popen] = {}
+        cores = 1
+        for steps in self.STEPS:
+            command = [sys.executable, "-m", "benchmarks.served_bench", "--offline-engine", str(steps)]
+            command += ["--max-tokens", str(max_tokens)]
+            child = subprocess.Popen(
+                command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+            self._children[steps] = child
+            cores = self._answer(child)["cores"]  # one at a time: builds do not overlap
+        self.thread_counts = sorted({cores, max(1, cores - 1)}, reverse=True)
+        # steps → threads → concurrency → best tok/s, and threads → concurrency → forward-only
+        self.generate: dict[str, dict[str, dict[str, float]]] = {
+            str(s): {str(t): {} for t in self.thread_counts} for s in self.STEPS
+        }
+        self.forward_only: dict[str, dict[str, float]] = {str(t): {} for t in self.thread_counts}
+
+    @staticmethod
+    def _answer(child: subprocess.Popen) -> dict[str, Any]:
+        while True:  # vLLM logs to stdout too: answers are the marked lines
+            line = child.stdout.readline()
+            if not line:
+                raise RuntimeError(f"offline engine process exited with {child.wait()}")
+            if line.startswith(ANSWER_MARK):
+                return json.loads(line[len(ANSWER_MARK) :])
+
+    def _ask(self, steps: int, **command: Any) -> float:
+        child = self._children[steps]
+        child.stdin.write(json.dumps(command) + "\n")
+        child.stdin.flush()
+        return self._answer(child)["tok_s"]
+
+    def measure_generate(self, concurrency: int, offset: int) -> None:
+        """One LLM.generate per steps value and thread count, keeping the best per concurrency."""
+        for steps in self.STEPS:
+            for threads in self.thread_counts:
+                value = self._ask(steps, op="generate", threads=threads, batch=concurrency, offset=offset)
+                figures = self.generate[str(steps)][str(threads)]
+                figures[str(concurrency)] = max(figures.get(str(concurrency), 0.0), value)
+
+    def measure_forward_only(self, concurrency: int) -> None:
+        for threads in self.thread_counts:
+            value = self._ask(8, op="forward_only", threads=threads, batch=concurrency)
+            figures = self.forward_only[str(threads)]
+            figures[str(concurrency)] = max(figures.get(str(concurrency), 0.0), value)
+
+    def results(self) -> dict[str, Any]:
+        """In the shape `annotate` and the report read (also what --skip-offline reuses)."""
+        concurrencies = list(next(iter(self.forward_only.values())))
+        generate = {
+            s: {c: max(by_threads[t][c] for t in by_threads) for c in concurrencies}
+            for s, by_threads in self.generate.items()
+        }
+        for steps, by_threads in self.generate.items():
+            for threads, figures in by_threads.items():
+                for c in concurrencies:
+                    print(f"offline LLM.generate steps={steps} threads={threads} batch={c}: {figures[c]:8.1f} tok/s")
+        return {
+            "llm_generate": generate,
+            "llm_generate_by_threads": self.generate,
+            "forward_only": {c: max(f[c] for f in self.forward_only.values()) for c in concurrencies},
+            "forward_only_by_threads": self.forward_only,
+            "torch_threads": self.thread_counts,
+        }
+
+    def close(self) -> None:
+        for child in self._children.values():
+            if child.poll() is None:
+                child.stdin.close()
+                try:
+                    child.wait(60)
+                except subprocess.TimeoutExpired:
+                    child.kill()
 
 
 # --------------------------------------------------------------------------- server
@@ -355,11 +381,17 @@ def _cpu_now(groups: dict[str, list[Any]], me: Any) -> dict[str, float]:
 
 
 async def run_level(
-    servers: dict[str, ServerProcess], concurrency: int, waves: int, max_tokens: int, offset: int
+    servers: dict[str, ServerProcess],
+    concurrency: int,
+    waves: int,
+    max_tokens: int,
+    offset: int,
+    offline: OfflineEngines | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Waves at one concurrency on every server, interleaved: wave k runs on each configuration in
-    turn (the order rotating), so that the configurations' figures are taken seconds apart and a
-    shared host's drift hits them alike. Each server's CPU time is counted over its own waves."""
+    turn (the order rotating), then offline on the same prompts, so that the figures a ratio
+    compares are taken seconds apart and a shared host's drift hits them alike. Each server's CPU
+    time is counted over its own waves."""
     import psutil
     import tritonclient.grpc.aio as grpcaio
 
@@ -389,6 +421,9 @@ async def run_level(
                 tally.records.extend(batch)
                 tally.wave_rates.append(sum(r.tokens for r in batch) / elapsed)
                 tally.wave_responses.append(sum(len(r.counts) for r in batch) / elapsed)
+            if offline is not None:
+                offline.measure_generate(concurrency, base)
+                offline.measure_forward_only(concurrency)
     finally:
         for client in clients.values():
             await client.close()
@@ -430,7 +465,12 @@ def summarize(tally: LevelTally, concurrency: int, waves: int, max_tokens: int) 
 
 
 def run_served(
-    names: list[str], concurrencies: list[int], max_tokens: int, wave_scale: float, workdir: Path
+    names: list[str],
+    concurrencies: list[int],
+    max_tokens: int,
+    wave_scale: float,
+    workdir: Path,
+    offline: OfflineEngines | None = None,
 ) -> list[dict[str, Any]]:
     """One server per configuration, started one after the other (start-up and idle memory are
     measured while the others idle), then every concurrency level on all of them, interleaved."""
@@ -455,7 +495,14 @@ def run_served(
             }
         for index, concurrency in enumerate(concurrencies):
             levels = asyncio.run(
-                run_level(servers, concurrency, waves_for(concurrency, wave_scale), max_tokens, 10_000 * (index + 1))
+                run_level(
+                    servers,
+                    concurrency,
+                    waves_for(concurrency, wave_scale),
+                    max_tokens,
+                    10_000 * (index + 1),
+                    offline,
+                )
             )
             for name, level in levels.items():
                 served[name]["levels"].append(level)
@@ -673,32 +720,36 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    parser.add_argument("--repeats", type=int, default=3, help="offline runs per batch (best kept)")
     parser.add_argument("--wave-scale", type=float, default=1.0, help="scales the number of waves per level")
-    parser.add_argument("--quick", action="store_true", help="concurrency 1 and 32 only, fewer waves and repeats")
+    parser.add_argument("--quick", action="store_true", help="concurrency 1 and 32 only, fewer waves")
     parser.add_argument("--skip-offline", action="store_true", help="reuse the offline figures of --output")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "served.json")
-    parser.add_argument("--offline-worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--offline-engine", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    if args.offline_worker:
-        result = offline_worker(args.concurrency, args.max_tokens, args.repeats)
-        args.offline_worker.write_text(json.dumps(result))
+    if args.offline_engine:
+        offline_engine_process(args.offline_engine, args.max_tokens)
         return
     if args.quick:
         args.concurrency = [1, 32]
-        args.repeats = 2
         args.wave_scale = 0.5
     from triton_vllm_multistep import demo_models
 
     demo_models.build("tiny-llama-bpe")
     started = time.monotonic()
+    engines = None
     if args.skip_offline and args.output.exists():
         offline = json.loads(args.output.read_text())["offline"]
     else:
-        offline = run_offline(args.concurrency, args.max_tokens, args.repeats)
-    with tempfile.TemporaryDirectory(prefix="served-bench-") as tmp:
-        served = run_served(args.configs, args.concurrency, args.max_tokens, args.wave_scale, Path(tmp))
+        engines = OfflineEngines(args.max_tokens)  # built before the servers start, idle meanwhile
+    try:
+        with tempfile.TemporaryDirectory(prefix="served-bench-") as tmp:
+            served = run_served(args.configs, args.concurrency, args.max_tokens, args.wave_scale, Path(tmp), engines)
+        if engines is not None:
+            offline = engines.results()
+    finally:
+        if engines is not None:
+            engines.close()
     results = {
         "model": "demo://tiny-llama-bpe",
         "max_tokens": args.max_tokens,
