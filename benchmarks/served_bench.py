@@ -31,7 +31,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -126,6 +125,10 @@ def offline_engine_process(steps: int, max_tokens: int) -> None:
     from triton_vllm_multistep.engine_factory import build_engine
     from triton_vllm_multistep.step_timing import forward_only_ceiling
 
+    # All cores and all cores but one (what the served engine uses), unless the user chose a count.
+    # Read before the build: vLLM's CPU platform sets OMP_NUM_THREADS while building.
+    cores = torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") else len(os.sched_getaffinity(0))
+    thread_counts = sorted({cores, max(1, cores - 1)}, reverse=True)
     settings = backend_config.BackendSettings(stream_per_step=False)
     engine = build_engine(backend_config.engine_args(engine_json(steps), SOURCE_MODEL, settings), stream_per_step=False)
     # LLM.generate itself, on this engine (LLM() would build vLLM's CPU engine, which has no multi-step).
@@ -136,11 +139,10 @@ def offline_engine_process(steps: int, max_tokens: int) -> None:
     llm.default_sampling_params = None
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     context_len = len(engine.get_tokenizer().encode(prompt(0))) + max_tokens // 2
-    cores = torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") else len(os.sched_getaffinity(0))
-    for threads in sorted({cores, max(1, cores - 1)}):
+    for threads in thread_counts:
         torch.set_num_threads(threads)
         llm.generate([prompt(i) for i in range(8)], params, use_tqdm=False)  # warm-up
-    print(ANSWER_MARK + json.dumps({"ready": True, "cores": cores}), flush=True)
+    print(ANSWER_MARK + json.dumps({"thread_counts": thread_counts}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
         torch.set_num_threads(command["threads"])
@@ -156,11 +158,15 @@ def offline_engine_process(steps: int, max_tokens: int) -> None:
     engine.model_executor.shutdown()
 
 
+def _keep_best(figures: dict[str, float], concurrency: int, value: float) -> None:
+    figures[str(concurrency)] = max(figures.get(str(concurrency), 0.0), value)
+
+
 class OfflineEngines:
     """The same engine offline (steps 1 and 8, one child process each), measured between served waves.
 
-    Each figure is measured with torch on all cores and on all cores but one (what the served
-    engine uses, see engine_factory.serving_torch_threads); per concurrency the best run is kept
+    Each figure is measured at the thread counts the child reports (all cores and all cores but
+    one, see engine_factory.serving_torch_threads); per concurrency the best run is kept
     (as a served level keeps its best wave), and the ceiling is the best thread count.
     """
 
@@ -169,7 +175,7 @@ class OfflineEngines:
     def __init__(self, max_tokens: int) -> None:
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KV_CACHE_GIB, VLLM_USE_V1="0")
         self._children: dict[int, subprocess.Popen] = {}
-        cores = 1
+        self.thread_counts: list[int] = []
         for steps in self.STEPS:
             command = [sys.executable, "-m", "benchmarks.served_bench", "--offline-engine", str(steps)]
             command += ["--max-tokens", str(max_tokens)]
@@ -177,8 +183,7 @@ class OfflineEngines:
                 command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
             )
             self._children[steps] = child
-            cores = self._answer(child)["cores"]  # one at a time: builds do not overlap
-        self.thread_counts = sorted({cores, max(1, cores - 1)}, reverse=True)
+            self.thread_counts = self._answer(child)["thread_counts"]  # one at a time: builds do not overlap
         # steps → threads → concurrency → best tok/s, and threads → concurrency → forward-only
         self.generate: dict[str, dict[str, dict[str, float]]] = {
             str(s): {str(t): {} for t in self.thread_counts} for s in self.STEPS
@@ -205,14 +210,12 @@ class OfflineEngines:
         for steps in self.STEPS:
             for threads in self.thread_counts:
                 value = self._ask(steps, op="generate", threads=threads, batch=concurrency, offset=offset)
-                figures = self.generate[str(steps)][str(threads)]
-                figures[str(concurrency)] = max(figures.get(str(concurrency), 0.0), value)
+                _keep_best(self.generate[str(steps)][str(threads)], concurrency, value)
 
     def measure_forward_only(self, concurrency: int) -> None:
         for threads in self.thread_counts:
             value = self._ask(8, op="forward_only", threads=threads, batch=concurrency)
-            figures = self.forward_only[str(threads)]
-            figures[str(concurrency)] = max(figures.get(str(concurrency), 0.0), value)
+            _keep_best(self.forward_only[str(threads)], concurrency, value)
 
     def results(self) -> dict[str, Any]:
         """In the shape `annotate` and the report read (also what --skip-offline reuses)."""
@@ -247,12 +250,7 @@ class OfflineEngines:
 
 
 def make_repository(target: Path, steps: int, stream_mode: str) -> Path:
-    model_dir = target / MODEL
-    shutil.copytree(SOURCE_MODEL, model_dir)
-    (model_dir / "1" / "model.json").write_text(json.dumps(engine_json(steps), indent=1))
-    for config in (model_dir / "config.pbtxt", model_dir / "configs" / "cpu.pbtxt"):
-        text = config.read_text().replace('string_value: "step"', f'string_value: "{stream_mode}"')
-        config.write_text(text)
+    local_server.copy_model(SOURCE_MODEL, target / MODEL, {"num_scheduler_steps": steps}, {"stream_mode": stream_mode})
     return target
 
 

@@ -6,7 +6,6 @@ model (the other tokenizer; single-step scheduling) so both demo tokenizers are 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ os.environ.setdefault("VLLM_USE_V1", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from triton_vllm_multistep import demo_models
-from triton_vllm_multistep.local_server import ServerProcess, start_server
+from triton_vllm_multistep.local_server import ServerProcess, copy_model, start_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_REPOSITORY = REPO_ROOT / "model_repository"
@@ -39,14 +38,8 @@ def demo_model_paths() -> dict[str, Path]:
 
 
 def _add_variant(repository: Path, name: str, overrides: dict) -> None:
-    source = repository / LLM_MODEL
-    target = repository / name
-    shutil.copytree(source, target)
-    engine = json.loads((source / "1" / "model.json").read_text())
-    (target / "1" / "model.json").write_text(json.dumps(engine | overrides, indent=1))
-    if name == "vllm_model_window":
-        for config in (target / "config.pbtxt", target / "configs" / "cpu.pbtxt"):
-            config.write_text(config.read_text().replace('string_value: "step"', 'string_value: "window"'))
+    parameters = {"stream_mode": "window"} if name == "vllm_model_window" else None
+    copy_model(repository / LLM_MODEL, repository / name, overrides, parameters)
 
 
 def _add_spm_pipeline(repository: Path) -> None:

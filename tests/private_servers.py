@@ -6,9 +6,7 @@ and finding the server's Python-backend stub processes; knows nothing about what
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +14,7 @@ from pathlib import Path
 import psutil
 import requests
 
-from triton_vllm_multistep.local_server import ServerProcess
+from triton_vllm_multistep.local_server import ServerProcess, copy_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_MODEL = REPO_ROOT / "model_repository" / "vllm_model"
@@ -30,19 +28,7 @@ def make_repository(root: Path, models: dict[str, dict]) -> Path:
     repository = root / "repository"
     repository.mkdir(parents=True)
     for name, spec in models.items():
-        target = repository / name
-        shutil.copytree(SHIPPED_MODEL, target)
-        engine_path = target / "1" / "model.json"
-        engine = json.loads(engine_path.read_text()) | spec.get("engine", {})
-        engine_path.write_text(json.dumps(engine, indent=1))
-        for config in (target / "config.pbtxt", target / "configs" / "cpu.pbtxt"):
-            text = config.read_text()
-            for key, value in spec.get("parameters", {}).items():
-                line = f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
-                text, replaced = re.subn(rf'^parameters \{{ key: "{key}" .*$\n', line, text, flags=re.M)
-                if not replaced:
-                    text += line
-            config.write_text(text)
+        copy_model(SHIPPED_MODEL, repository / name, spec.get("engine"), spec.get("parameters"))
     return repository
 
 
@@ -72,14 +58,7 @@ def wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.
 
 def stub_processes(server: ServerProcess) -> list[psutil.Process]:
     """The server's live Python-backend stub processes (one per loaded model instance)."""
-    stubs = []
-    for child in server.descendants():
-        try:
-            if child.status() != psutil.STATUS_ZOMBIE and "triton_python_backend_stub" in (child.cmdline() or [""])[0]:
-                stubs.append(child)
-        except psutil.NoSuchProcess:
-            continue
-    return stubs
+    return server.process_groups()["stub"]
 
 
 def model_ready(server: ServerProcess, model: str) -> bool:

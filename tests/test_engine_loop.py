@@ -41,8 +41,7 @@ def test_the_engine_is_built_and_stepped_in_the_engine_thread_with_its_torch_thr
         if isinstance(event, StepOutputs) and any(o.finished for o in event.outputs):
             finished.set()
 
-    # 2 threads although vLLM's executor sets torch to 1 thread while it builds (unless
-    # OMP_NUM_THREADS is set): the loop applies its count once the engine is built.
+    # The loop applies its count once the engine is built, whatever the build left torch at.
     loop = EngineLoop(build, torch_threads=2)
     engine = loop.start_engine()
     try:

@@ -273,8 +273,9 @@ class EngineLoop:
             self._engine = self._build()
             import torch
 
-            # After the build: vLLM's multiprocessing executor (the CPU engine's, even with one
-            # worker) drops torch to 1 thread while building unless OMP_NUM_THREADS is set.
+            # Applied last, so the count the engine runs with is ours whatever the build did to
+            # torch's (vLLM's multiprocessing executor sets it to 1 when OMP_NUM_THREADS is unset;
+            # on CPU, vLLM's platform sets OMP_NUM_THREADS from torch's count first).
             if self._torch_threads is not None:
                 torch.set_num_threads(self._torch_threads)
             self.torch_threads = torch.get_num_threads()

@@ -1,12 +1,16 @@
 """A real tritonserver started through the project's launcher on free local ports.
 
-For tests, benchmarks and scripts. Owns ports, readiness polling, the server's process tree and
-clean shutdown; knows nothing about the models served. Needs psutil and requests (test extra).
+For tests, benchmarks and scripts. Owns copying a model folder with changed settings, ports,
+readiness polling, the server's process tree and clean shutdown; knows nothing about what the
+models do. Needs psutil and requests (test extra).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,6 +19,27 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+
+def copy_model(
+    source: Path, target: Path, engine: dict[str, Any] | None = None, parameters: dict[str, str] | None = None
+) -> Path:
+    """Copy a model folder of this backend, overriding model.json fields and config.pbtxt parameters.
+
+    `parameters` replace the same key's line in config.pbtxt and configs/*.pbtxt, or are added.
+    """
+    shutil.copytree(source, target)
+    engine_path = target / "1" / "model.json"
+    engine_path.write_text(json.dumps(json.loads(engine_path.read_text()) | (engine or {}), indent=1))
+    for config in (target / "config.pbtxt", *sorted((target / "configs").glob("*.pbtxt"))):
+        text = config.read_text()
+        for key, value in (parameters or {}).items():
+            line = f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
+            text, replaced = re.subn(rf'^parameters \{{ key: "{key}" .*$\n', line, text, flags=re.M)
+            if not replaced:
+                text += line
+        config.write_text(text)
+    return target
 
 
 def free_ports(count: int) -> list[int]:
@@ -87,13 +112,17 @@ class ServerProcess:
             return []
 
     def process_groups(self) -> dict[str, list[Any]]:
-        """tritonserver and its Python backend stubs (where the engines run), as psutil processes."""
+        """Live tritonserver and Python backend stub processes (where the engines run), as psutil processes."""
+        import psutil
+
         groups: dict[str, list[Any]] = {"tritonserver": [], "stub": []}
         for proc in self.descendants():
             try:
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    continue
                 command = " ".join(proc.cmdline())
                 name = proc.name()
-            except Exception:  # gone meanwhile
+            except psutil.Error:  # gone meanwhile
                 continue
             if "triton_python_backend_stub" in command:
                 groups["stub"].append(proc)

@@ -98,11 +98,7 @@ class ModelServer:
         self.loop = EngineLoop(
             lambda: build_engine(engine_args, stream_per_step=self.settings.stream_per_step), torch_threads
         )
-        try:
-            self.engine = self.loop.start_engine()
-        except BaseException:
-            self.loop.stop()
-            raise
+        self.engine = self.loop.start_engine()  # a failed build has ended the engine thread
         try:
             self._tokenizer = self._load_tokenizer(engine_args)
             model = self.engine.model_config
@@ -137,7 +133,6 @@ class ModelServer:
             self.loop.stop()
             self.engine.model_executor.shutdown()
             raise
-        model = self.engine.model_config
         logger.info(
             "vllm_multistep: model %s ready: num_scheduler_steps=%d, streaming per %s, torch threads %s",
             model.model,
