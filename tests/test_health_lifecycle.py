@@ -184,31 +184,46 @@ def test_unload_and_reload_with_streams_in_flight(lifecycle_server) -> None:
     assert after.finals == 1 and after.error is None and len(after.token_ids()) == 4
 
 
-def test_sigterm_under_load_ends_every_stream_and_leaves_no_process(tmp_path: Path, demo_model_paths: dict) -> None:
-    repository = make_repository(tmp_path, {MODEL: {}})
-    exit_timeout = 30
+def test_sigterm_under_load_drains_then_ends_every_stream_and_leaves_no_process(
+    tmp_path: Path, demo_model_paths: dict
+) -> None:
+    """SIGTERM: streams that can finish within the drain (exit timeout - 5 s) do; the rest end with
+    UNAVAILABLE before the exit timeout expires, and the server exits cleanly (0, finalize ran)."""
+    exit_timeout = 10
+    drain = exit_timeout - 5  # derived by the model from the server's --exit-timeout-secs
+    medium = {"temperature": 0, "max_tokens": 200, "ignore_eos": True}
+    endless = {"temperature": 0, "max_tokens": 2000, "ignore_eos": True}  # far more than the drain allows
+    repository = make_repository(tmp_path, {MODEL: {"engine": {"max_model_len": 2048}}})
     server = start_server(repository, tmp_path / "tritonserver.log", f"--exit-timeout-secs={exit_timeout}")
     try:
         server.wait_ready(timeout=600)
         processes = server.descendants()
         assert stub_processes(server)
-        streams = Streams(server, 8, LONG, timeout=exit_timeout + 60)
-        streams.wait_streaming()
+        finishing = Streams(server, 4, medium, timeout=exit_timeout + 60)
+        cut = Streams(server, 4, endless, timeout=exit_timeout + 60)
+        finishing.wait_streaming()
+        cut.wait_streaming()
         started = time.monotonic()
         server.process.send_signal(15)
         code = server.process.wait(exit_timeout + 30)
         took = time.monotonic() - started
-        results = streams.join(timeout=60)
+        finished, ended = finishing.join(timeout=60), cut.join(timeout=60)
     finally:
         server.stop()
+    log = server.log_path.read_text(errors="replace")
     assert code == 0, server.log_tail()
-    assert took < exit_timeout + 10, took
-    for result in results.values():
+    assert drain <= took < exit_timeout, took
+    for result in finished.values():
+        assert isinstance(result, StreamResult), result
+        assert result.finals == 1 and result.error is None, (result.finals, result.error)
+        assert len(result.token_ids()) == medium["max_tokens"]
+    for result in ended.values():
         assert isinstance(result, StreamResult), result
         assert result.finals == 1, (result.finals, result.error)
-        if result.error is None:
-            assert len(result.token_ids()) == LONG["max_tokens"]
-    log = server.log_path.read_text(errors="replace")
+        assert result.error is not None and "the model is being unloaded" in result.error, result.error
+        assert 0 < len(result.token_ids()) < endless["max_tokens"]
+    assert f"letting them finish for up to {drain:.1f} s" in log
+    assert f"ending {len(ended)} request(s) still in flight" in log
     assert "model vllm_model finalized: engine shut down" in log  # finalize ran: not killed
     assert "Exit timeout expired" not in log
     time.sleep(0.5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import subprocess
 import sys
 import time
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from triton_vllm_multistep import launcher
@@ -16,6 +18,7 @@ from triton_vllm_multistep.device import gpu_count, instance_device_environment
 from triton_vllm_multistep.local_server import start_server
 
 ECHO_REPOSITORY = Path(__file__).parent / "assets" / "echo_repository"
+HOLD_REPOSITORY = Path(__file__).parent / "assets" / "hold_repository"
 
 
 def test_launcher_serves_and_sigterm_leaves_no_processes(tmp_path: Path) -> None:
@@ -34,6 +37,40 @@ def test_launcher_serves_and_sigterm_leaves_no_processes(tmp_path: Path) -> None
     finally:
         code = server.stop(timeout=60)
     assert code == 0, server.log_tail()
+    time.sleep(0.5)
+    alive = [child for child in children if child.is_running() and child.status() != "zombie"]
+    assert not alive, f"left behind: {alive}"
+
+
+def test_launcher_kills_a_server_still_running_past_its_exit_timeout(tmp_path: Path) -> None:
+    """A model that never sends its FINAL keeps tritonserver 2.51 from exiting after its exit timeout
+    expired (it hangs in its exit path): the launcher kills the server's process group instead."""
+    exit_timeout = 2
+    server = start_server(HOLD_REPOSITORY, tmp_path / "server.log", f"--exit-timeout-secs={exit_timeout}")
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        server.wait_ready(timeout=120)
+        children = server.descendants()
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        item = grpcclient.InferInput("INPUT", [1], "BYTES")
+        item.set_data_from_numpy(np.array([b"held"], dtype=np.object_))
+        client.async_stream_infer("hold", [item])
+        result, error = responses.get(timeout=60)  # in the model, which now holds it forever
+        assert error is None and result.as_numpy("OUTPUT")[0] == b"held"
+        started = time.monotonic()
+        server.process.send_signal(15)
+        code = server.process.wait(exit_timeout + launcher.EXIT_GRACE_SECONDS + 30)
+        took = time.monotonic() - started
+    finally:
+        client.close()
+        server.stop()
+    log = server.log_tail(20)
+    assert "Exit timeout expired" in log, log
+    assert code != 0, log
+    assert took < exit_timeout + launcher.EXIT_GRACE_SECONDS + 5, took
+    if took > exit_timeout + launcher.EXIT_GRACE_SECONDS:  # tritonserver did hang: we killed it
+        assert code == 1 and "did not exit within its exit timeout (2 s) + 15 s" in log, (code, log)
     time.sleep(0.5)
     alive = [child for child in children if child.is_running() and child.status() != "zombie"]
     assert not alive, f"left behind: {alive}"

@@ -45,6 +45,9 @@ class BackendSettings:
     limits: Limits = dataclasses.field(default_factory=Limits)
     # On engine failure, ask Triton to unload the model (works in explicit model-control mode).
     unload_on_engine_failure: bool = True
+    # How long requests in flight may finish once Triton unloads the model or stops; None: derived
+    # from the server's --exit-timeout-secs (see drain.py).
+    unload_drain_seconds: float | None = None
 
 
 def _parameter_values(model_config: dict[str, Any]) -> dict[str, str]:
@@ -68,6 +71,16 @@ def _as_int(name: str, text: str, minimum: int = 0) -> int:
         raise ConfigError(f"config.pbtxt parameter {name!r} must be an integer, got {text!r}") from None
     if value < minimum:
         raise ConfigError(f"config.pbtxt parameter {name!r} must be >= {minimum}, got {value}")
+    return value
+
+
+def _as_seconds(name: str, text: str) -> float:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise ConfigError(f"config.pbtxt parameter {name!r} must be a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise ConfigError(f"config.pbtxt parameter {name!r} must be a finite number >= 0, got {text!r}")
     return value
 
 
@@ -95,6 +108,11 @@ def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) 
         enable_metrics=_as_bool("enable_metrics", params.get("enable_metrics", "true")),
         limits=limits,
         unload_on_engine_failure=_as_bool("unload_on_engine_failure", params.get("unload_on_engine_failure", "true")),
+        unload_drain_seconds=(
+            _as_seconds("unload_drain_seconds", params["unload_drain_seconds"])
+            if params.get("unload_drain_seconds", "").strip()
+            else None
+        ),
     )
 
 

@@ -13,16 +13,22 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import demo_models
 from .device import gpu_count
+from .drain import TRITON_DEFAULT_EXIT_TIMEOUT, exit_timeout_from_args
 
 BACKEND_NAME = "vllm_multistep"
 SYSTEM_TRITON = Path("/opt/tritonserver")
 CPU_CONFIG_NAME = "cpu"
+# After SIGINT/SIGTERM, tritonserver gets its --exit-timeout-secs plus this before it is killed:
+# when the exit timeout expires with a Python backend still busy, tritonserver 2.51 can crash
+# in its exit path and hang there instead of exiting.
+EXIT_GRACE_SECONDS = 15.0
 BACKEND_MODEL_PY = Path(__file__).resolve().parent.parent / "model.py"
 
 
@@ -174,15 +180,34 @@ def serve(server_args: Sequence[str], backend_dir: Path | None = None) -> int:
     # Own process group: a signal to the launcher reaches Triton once, via us, and Triton
     # shuts its stubs (and their vLLM workers) down itself.
     process = subprocess.Popen(command, env=server_environment(install), start_new_session=True)
+    exit_timeout = exit_timeout_from_args(command)
+    if exit_timeout is None:
+        exit_timeout = TRITON_DEFAULT_EXIT_TIMEOUT
+    stop_deadline: list[float] = []  # set by the first SIGINT/SIGTERM
 
     def forward(signum: int, _frame: object) -> None:
         if process.poll() is None:
             process.send_signal(signum)
+            if signum in (signal.SIGINT, signal.SIGTERM) and not stop_deadline:
+                stop_deadline.append(time.monotonic() + exit_timeout + EXIT_GRACE_SECONDS)
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(signum, forward)
     try:
-        return process.wait()
+        while True:
+            try:
+                return process.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                if stop_deadline and time.monotonic() > stop_deadline[0]:
+                    print(
+                        "[triton-vllm-multistep] tritonserver did not exit within its exit timeout "
+                        f"({exit_timeout:g} s) + {EXIT_GRACE_SECONDS:g} s after being asked to stop: killing it",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    _reap_group(process.pid)
+                    process.wait()
+                    return 1
     finally:
         _reap_group(process.pid)
 

@@ -75,6 +75,10 @@ class Responder:
     def in_flight(self) -> int:
         return len(self._states)
 
+    def request_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._states)
+
     def error_response(self, message: str, code: Any) -> Any:
         return self._pb.InferenceResponse(error=self._pb.TritonError(message, code))
 

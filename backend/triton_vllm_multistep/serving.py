@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import codec, config
+from . import codec, config, drain
 from .detokenization import window_decoder
 from .device import instance_device_environment
 
@@ -129,16 +129,26 @@ class ModelServer:
                 time_steps=self.metrics is not None,
                 on_death=self._on_engine_death,
             )
+            self.drain = drain.UnloadDrain(
+                self.model_name,
+                drain.readiness_probe(pb_utils, self.model_name, str(args.get("model_version", "1"))),
+                self.responder.in_flight,
+                self._end_all,
+                drain.drain_seconds(self.settings.unload_drain_seconds, drain.server_exit_timeout(os.getppid())),
+            )
+            self.drain.start()
         except BaseException:
             self.loop.stop()
             self.engine.model_executor.shutdown()
             raise
         logger.info(
-            "vllm_multistep: model %s ready: num_scheduler_steps=%d, streaming per %s, torch threads %s",
+            "vllm_multistep: model %s ready: num_scheduler_steps=%d, streaming per %s, torch threads %s, "
+            "drains for up to %.1f s on unload",
             model.model,
             self.engine.scheduler_config.num_scheduler_steps,
             "step" if self.settings.stream_per_step else "scheduling window",
             self.loop.torch_threads,
+            self.drain.drain_seconds,
         )
 
     @staticmethod
@@ -167,6 +177,9 @@ class ModelServer:
 
         for request in requests:
             sender = request.get_response_sender()
+            if self.drain.draining:
+                self.responder.send_error(sender, drain.UNLOADING_MESSAGE, self._pb.TritonError.UNAVAILABLE)
+                continue
             if not self.loop.healthy:
                 self.responder.send_error(
                     sender, self.loop.error or "the engine is not running", self._pb.TritonError.UNAVAILABLE
@@ -214,14 +227,14 @@ class ModelServer:
             return
         threading.Thread(target=self._unload_self, args=(message,), name="vllm-self-unload", daemon=True).start()
 
-    def _unload_self(self, message: str, drain_seconds: float = 10.0) -> None:
+    def _unload_self(self, message: str, wait_seconds: float = 10.0) -> None:
         """Ask Triton to unload this model (explicit model control only), once in-flight requests got their FINAL.
 
         Python-based backends in Triton 2.51 cannot report "not ready" themselves (no `is_ready`
         hook): unloading is the only way to stop the model being reported ready. In other
         model-control modes Triton refuses, and the model stays loaded answering UNAVAILABLE.
         """
-        deadline = time.monotonic() + drain_seconds
+        deadline = time.monotonic() + wait_seconds
         while self.responder.in_flight() and time.monotonic() < deadline:
             time.sleep(0.05)
         try:
@@ -240,9 +253,16 @@ class ModelServer:
                 "vllm_multistep: engine of model %s failed (%s); model unload requested", self.model_name, message
             )
 
+    def _end_all(self, message: str) -> None:
+        """Drain thread: end every request in flight (abort in the engine, UNAVAILABLE FINAL)."""
+        for request_id in self.responder.request_ids():
+            self.loop.abort(request_id)
+            self.responder.fail(request_id, message, self._pb.TritonError.UNAVAILABLE)
+
     def close(self) -> None:
+        self.drain.stop()
         self.loop.stop()
-        self.responder.stop("the model is being unloaded")
+        self.responder.stop(drain.UNLOADING_MESSAGE)
         if self.metrics is not None:
             try:
                 self.metrics.close()
