@@ -1,40 +1,54 @@
-"""Unload drain: the exit timeout it is derived from, its config parameter, and its decisions.
+"""Unload drain: the server settings it reads, its config parameter, its readiness probe, its decisions.
 
-The decisions are driven here with plain callables standing in for Triton's readiness answer and
-the responder; the real thing (tritonserver, SIGTERM and model-control unload with streams in
-flight) is in test_health_lifecycle.py.
+The decisions are driven here with plain callables standing in for the readiness probe and the
+responder, the probe with a local HTTP server; the real thing (tritonserver, SIGTERM and
+model-control unload with streams in flight) is in test_health_lifecycle.py.
 """
 
 from __future__ import annotations
 
+import http.server
 import os
+import socket
 import threading
 import time
+from typing import ClassVar
 
 import pytest
 
-from triton_vllm_multistep import config, drain
+from triton_vllm_multistep import config, drain, triton_command
+from triton_vllm_multistep.triton_command import TritonCommand
 
 
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["/opt/tritonserver/bin/tritonserver", "--model-repository=/m"], 30.0),
-        (["tritonserver", "--exit-timeout-secs=12"], 12.0),
-        (["tritonserver", "--exit-timeout-secs", "7", "--model-repository=/m"], 7.0),
-        (["tritonserver", "--exit-timeout-secs=5", "--exit-timeout-secs=9"], 9.0),  # the last one wins
-        (["tritonserver", "--exit-timeout-secs=soon"], None),
-        (["/usr/bin/python3", "--exit-timeout-secs=5"], None),  # not tritonserver: unknown
+        (
+            ["/opt/tritonserver/bin/tritonserver", "--model-repository=/m"],
+            TritonCommand(30.0, ("127.0.0.1", 8000), "none"),
+        ),
+        (
+            ["tritonserver", "--exit-timeout-secs=12", "--http-port", "8123", "--model-control-mode=explicit"],
+            TritonCommand(12.0, ("127.0.0.1", 8123), "explicit"),
+        ),
+        (
+            ["tritonserver", "--exit-timeout-secs", "5", "--exit-timeout-secs=9", "--http-address=10.1.2.3"],
+            TritonCommand(9.0, ("10.1.2.3", 8000), "none"),  # the last value wins
+        ),
+        (["tritonserver", "--allow-http=false", "--http-port=1"], TritonCommand(30.0, None, "none")),
+        (["tritonserver", "--http-address=::", "--http-port=8001"], TritonCommand(30.0, ("::1", 8001), "none")),
+        (["tritonserver", "--exit-timeout-secs=soon", "--http-port=x"], TritonCommand(None, None, "none")),
+        (["/usr/bin/python3", "--exit-timeout-secs=5"], None),  # not tritonserver: nothing known
         ([], None),
     ],
 )
-def test_exit_timeout_from_a_tritonserver_command_line(argv: list[str], expected: float | None) -> None:
-    assert drain.exit_timeout_from_args(argv) == expected
+def test_what_a_tritonserver_command_line_says(argv: list[str], expected: TritonCommand | None) -> None:
+    assert triton_command.parse(argv) == expected
 
 
-def test_server_exit_timeout_reads_the_process_command_line() -> None:
-    assert drain.server_exit_timeout(os.getpid()) is None  # pytest is not tritonserver
-    assert drain.server_exit_timeout(2**22 + 12345) is None  # no such process
+def test_command_line_of_a_process() -> None:
+    assert triton_command.of_process(os.getpid()) is None  # pytest is not tritonserver
+    assert triton_command.of_process(2**22 + 12345) is None  # no such process
 
 
 def test_drain_seconds_leave_a_margin_of_the_exit_timeout() -> None:
@@ -127,42 +141,69 @@ def test_requests_that_finish_within_the_drain_are_not_ended() -> None:
         watcher.stop()
 
 
-def test_readiness_is_not_asked_while_idle_nor_acted_on_when_unknown() -> None:
-    model = Model(in_flight=0, ready=False)
+def test_readiness_is_asked_while_idle_only_until_it_answers_and_unknown_is_not_acted_on() -> None:
+    model = Model(in_flight=0, ready=None)  # the server has not opened its endpoint yet
     watcher = model.watch(drain_seconds=0.0)
     try:
+        assert _until(lambda: model.probes >= 3)
+        model.ready = False  # answers: e.g. a stopping server, while idle
         time.sleep(0.1)
-        assert model.probes == 0 and not watcher.draining  # an idle unload goes straight to finalize
-        model.ready, model.requests = None, 1  # Triton could not say
+        probes = model.probes
         time.sleep(0.1)
-        assert model.probes > 0 and not watcher.draining and model.ended == []
+        assert model.probes == probes and not watcher.draining  # an idle unload goes straight to finalize
+        model.ready, model.requests = None, 1  # busy, and Triton could not say
+        assert _until(lambda: model.probes > probes)
+        time.sleep(0.05)
+        assert not watcher.draining and model.ended == []
     finally:
         watcher.stop()
     assert not watcher._thread.is_alive()
 
 
-class _FakeTritonError(Exception):
-    pass
+class _ReadyEndpoint(http.server.BaseHTTPRequestHandler):
+    """A local HTTP server answering Triton's model-ready route with the status the test sets."""
+
+    status = 200
+    paths: ClassVar[list[str]] = []
+
+    def do_GET(self) -> None:
+        type(self).paths.append(self.path)
+        self.send_response(type(self).status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *_: object) -> None:
+        pass
 
 
-class _ReadinessOf:
-    """pb_utils.is_model_ready's two ways of saying "not ready": False, or raising while the server stops."""
+def test_http_readiness_probe_maps_triton_answers() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ReadyEndpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        probe = drain.http_readiness_probe(("127.0.0.1", server.server_address[1]), "llm model", "1")
+        for status, answer in ((200, True), (400, False), (503, False), (403, None)):
+            _ReadyEndpoint.status = status
+            assert probe() is answer, status
+        assert _ReadyEndpoint.paths[-1] == "/v2/models/llm%20model/versions/1/ready"
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert probe() is False  # it answered before and now refuses: the server is stopping
 
-    def __init__(self, answer) -> None:
-        self.answer = answer
-        self.asked: list[tuple[str, str]] = []
 
-    def is_model_ready(self, model_name: str, model_version: str) -> bool:
-        self.asked.append((model_name, model_version))
-        if isinstance(self.answer, Exception):
-            raise self.answer
-        return self.answer
+def test_http_readiness_probe_before_the_server_listens() -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, not listening: connections are refused
+        probe = drain.http_readiness_probe(("127.0.0.1", port), "llm", "1")
+        assert probe() is None and probe() is None
 
 
-def test_readiness_probe_maps_triton_answers() -> None:
-    ready = _ReadinessOf(True)
-    assert drain.readiness_probe(ready, "llm", "1")() is True
-    assert ready.asked == [("llm", "1")]
-    assert drain.readiness_probe(_ReadinessOf(False), "llm", "1")() is False
-    assert drain.readiness_probe(_ReadinessOf(_FakeTritonError("Server not ready")), "llm", "1")() is False
-    assert drain.readiness_probe(_ReadinessOf(_FakeTritonError("IPC broke")), "llm", "1")() is None
+def test_unload_drain_for_a_server_without_http_never_drains() -> None:
+    model = Model(in_flight=1, ready=False)
+    watcher = drain.unload_drain_for(
+        "m", "1", TritonCommand(12.0, None, "none"), None, in_flight=model.in_flight, end_all=model.end_all
+    )
+    assert watcher.drain_seconds == 7.0
+    assert watcher._is_ready() is None
+    assert drain.unload_drain_for("m", "1", None, 2.0, model.in_flight, model.end_all).drain_seconds == 2.0

@@ -7,53 +7,33 @@ then ending the rest; must not touch the engine or build responses (it calls bac
 Why: Triton calls `finalize` only once every response sender of the model is done, so the
 backend hears nothing of an unload while streams are in flight. Triton meanwhile counts down
 `--exit-timeout-secs`, and when that expires with the Python backend still busy, tritonserver
-2.51 crashes in its exit path and can hang instead of exiting. Readiness is the signal that is
-there: Triton reports the model not ready from the moment it starts unloading it or stopping.
+2.51 does not exit (it hangs in its exit path, sometimes after a crash). Readiness is the signal
+that is there: Triton reports the model not ready from the moment it starts unloading it or
+stopping. It is asked over the server's own HTTP endpoint (`/v2/models/<name>/versions/<v>/ready`),
+not with `pb_utils.is_model_ready`: once the server is stopping, that call fails inside the 2.51
+Python backend's message handling, and doing so was seen to hang the stub's calls to the server
+and to crash tritonserver (`boost::interprocess::lock_exception`). A stopping tritonserver also
+stops accepting connections, so a refused connection to an endpoint that answered before means
+the server is stopping.
 """
 
 from __future__ import annotations
 
+import http.client
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from pathlib import Path
+import urllib.parse
+from collections.abc import Callable
+
+from .triton_command import TRITON_DEFAULT_EXIT_TIMEOUT, TritonCommand
 
 logger = logging.getLogger("triton_vllm_multistep")
 
-TRITON_DEFAULT_EXIT_TIMEOUT = 30.0
 # Left of the exit timeout for ending the remaining streams, finalize (engine shutdown) and
 # Triton's own unloading.
 DRAIN_MARGIN_SECONDS = 5.0
-EXIT_TIMEOUT_FLAG = "--exit-timeout-secs"
 UNLOADING_MESSAGE = "the model is being unloaded (or the server is stopping)"
-
-
-def exit_timeout_from_args(argv: Sequence[str]) -> float | None:
-    """`--exit-timeout-secs` of a tritonserver command line (Triton's default if absent); None if not tritonserver."""
-    if not argv or Path(argv[0]).name != "tritonserver":
-        return None
-    value: str | None = None
-    for index, arg in enumerate(argv):
-        if arg.startswith(EXIT_TIMEOUT_FLAG + "="):
-            value = arg.split("=", 1)[1]
-        elif arg == EXIT_TIMEOUT_FLAG and index + 1 < len(argv):
-            value = argv[index + 1]
-    if value is None:
-        return TRITON_DEFAULT_EXIT_TIMEOUT
-    try:
-        return float(value)
-    except ValueError:
-        return None
-
-
-def server_exit_timeout(pid: int) -> float | None:
-    """The exit timeout of tritonserver process `pid` (the stub's parent), None if unknown."""
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
-    return exit_timeout_from_args([part.decode(errors="replace") for part in raw.split(b"\0") if part])
 
 
 def drain_seconds(configured: float | None, exit_timeout: float | None) -> float:
@@ -64,23 +44,54 @@ def drain_seconds(configured: float | None, exit_timeout: float | None) -> float
     return max(0.0, timeout - DRAIN_MARGIN_SECONDS)
 
 
-def readiness_probe(pb_utils, model_name: str, model_version: str) -> Callable[[], bool | None]:
-    """`pb_utils.is_model_ready` for this model: False once Triton unloads it or stops; None if it cannot say."""
+def http_readiness_probe(
+    endpoint: tuple[str, int], model_name: str, model_version: str, timeout: float = 2.0
+) -> Callable[[], bool | None]:
+    """Asks the server's HTTP endpoint whether this model version is ready: True, False, or None (no answer).
+
+    One short connection per question: a kept-alive one would hold the server's shutdown up. A
+    refused connection is "not ready" once the endpoint has answered before (the server stops
+    listening when it starts stopping); before that, the server has not opened it yet.
+    """
+    host, port = endpoint
+    path = f"/v2/models/{urllib.parse.quote(model_name, safe='')}/versions/{urllib.parse.quote(model_version)}/ready"
     warned = False
+    answered = False
 
     def probe() -> bool | None:
-        nonlocal warned
+        nonlocal warned, answered
+        connection = http.client.HTTPConnection(host, port, timeout=timeout)
         try:
-            return bool(pb_utils.is_model_ready(model_name=model_name, model_version=model_version))
-        except Exception as error:
-            # A stopping server answers "Server not ready" (UNAVAILABLE) instead of False.
-            text = str(error).lower()
-            if "not ready" in text or "exiting" in text or "stopping" in text:
+            connection.request("GET", path, headers={"Connection": "close"})
+            status = connection.getresponse().status
+            problem = f"HTTP {status}"
+        except ConnectionRefusedError as error:
+            if answered:
                 return False
-            if not warned:
-                warned = True
-                logger.warning("vllm_multistep: cannot ask Triton whether %s is ready: %s", model_name, error)
-            return None
+            status, problem = None, f"{type(error).__name__}: {error}"
+        except (OSError, http.client.HTTPException) as error:
+            status, problem = None, f"{type(error).__name__}: {error}"
+        finally:
+            connection.close()
+        if status == 200:
+            answered = True
+            return True
+        if status in (400, 503):  # Triton's answers for "not ready", the server's stopping included
+            answered = True
+            return False
+        if status is None and not answered:
+            return None  # not listening yet: the server opens its endpoints once models are loaded
+        if not warned:
+            warned = True
+            logger.warning(
+                "vllm_multistep: cannot ask tritonserver at %s:%d whether %s is ready (%s): requests in flight "
+                "will not be drained on unload",
+                host,
+                port,
+                model_name,
+                problem,
+            )
+        return None
 
     return probe
 
@@ -101,6 +112,7 @@ class UnloadDrain:
         end_all: Callable[[str], None],
         drain_seconds: float,
         poll_seconds: float = 0.25,
+        first_answer_poll_seconds: float = 0.02,
     ) -> None:
         self.model_name = model_name
         self.drain_seconds = drain_seconds
@@ -108,6 +120,7 @@ class UnloadDrain:
         self._in_flight = in_flight
         self._end_all = end_all
         self._poll = poll_seconds
+        self._first_answer_poll = first_answer_poll_seconds
         self._stopped = threading.Event()
         self.draining = False
         self._thread = threading.Thread(target=self._run, name="vllm-unload-drain", daemon=True)
@@ -121,10 +134,18 @@ class UnloadDrain:
             self._thread.join(5.0)
 
     def _run(self) -> None:
-        # Readiness is only asked while requests are in flight: an idle model's unload reaches
-        # finalize directly, and a probe is an IPC round trip to tritonserver.
-        while not self._stopped.wait(self._poll):
-            if self._in_flight() and self._is_ready() is False:
+        # Readiness is asked while requests are in flight (an idle model's unload reaches finalize
+        # directly), and often until the first answer: a refused connection counts as "stopping"
+        # only once the endpoint has answered, and a SIGTERM can come right after the server opens
+        # its endpoints (a refused local connect costs microseconds).
+        answered = False
+        while not self._stopped.wait(self._poll if answered else self._first_answer_poll):
+            busy = self._in_flight() > 0
+            if answered and not busy:
+                continue
+            ready = self._is_ready()
+            answered = answered or ready is not None
+            if busy and ready is False:
                 self._drain()
                 return
 
@@ -153,3 +174,28 @@ class UnloadDrain:
             self._end_all(UNLOADING_MESSAGE)
         else:
             logger.info("vllm_multistep: model %s: every request in flight finished while draining", self.model_name)
+
+
+def unload_drain_for(
+    model_name: str,
+    model_version: str,
+    server: TritonCommand | None,
+    configured_seconds: float | None,
+    in_flight: Callable[[], int],
+    end_all: Callable[[str], None],
+) -> UnloadDrain:
+    """The drain of one model instance, reading readiness from `server`'s HTTP endpoint (if it has one)."""
+    endpoint = server.http_endpoint if server else None
+    if endpoint is None:
+        logger.warning(
+            "vllm_multistep: model %s: tritonserver's HTTP endpoint is off or unknown, so an unload or server stop "
+            "is not noticed while requests are in flight: they are not drained",
+            model_name,
+        )
+    return UnloadDrain(
+        model_name,
+        http_readiness_probe(endpoint, model_name, model_version) if endpoint else lambda: None,
+        in_flight,
+        end_all,
+        drain_seconds(configured_seconds, server.exit_timeout if server else None),
+    )

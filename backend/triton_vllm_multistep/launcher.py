@@ -18,9 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import demo_models
+from . import demo_models, triton_command
 from .device import gpu_count
-from .drain import TRITON_DEFAULT_EXIT_TIMEOUT, exit_timeout_from_args
 
 BACKEND_NAME = "vllm_multistep"
 SYSTEM_TRITON = Path("/opt/tritonserver")
@@ -144,27 +143,17 @@ def choose_config_name(repositories: Sequence[Path], gpus: int | None = None) ->
     return None
 
 
-def _option_values(args: Sequence[str], name: str) -> list[str]:
-    values = []
-    for index, arg in enumerate(args):
-        if arg.startswith(f"{name}="):
-            values.append(arg.split("=", 1)[1])
-        elif arg == name and index + 1 < len(args):
-            values.append(args[index + 1])
-    return values
-
-
 def build_command(install: TritonInstall, backend_dir: Path, server_args: Sequence[str]) -> list[str]:
     """Full tritonserver argv: the user's flags win; ours fill in what they left out."""
     args = list(server_args)
-    repositories = [Path(p) for p in _option_values(args, "--model-repository")]
+    repositories = [Path(p) for p in triton_command.option_values(args, "--model-repository")]
     if not repositories:
         raise LaunchError("--model-repository is required")
     for repository in repositories:
         validate_model_repository(repository)
-    if not _option_values(args, "--backend-directory"):
+    if not triton_command.option_values(args, "--backend-directory"):
         args.append(f"--backend-directory={backend_dir}")
-    if not _option_values(args, "--model-config-name"):
+    if not triton_command.option_values(args, "--model-config-name"):
         config_name = choose_config_name(repositories)
         if config_name:
             args.append(f"--model-config-name={config_name}")
@@ -180,9 +169,9 @@ def serve(server_args: Sequence[str], backend_dir: Path | None = None) -> int:
     # Own process group: a signal to the launcher reaches Triton once, via us, and Triton
     # shuts its stubs (and their vLLM workers) down itself.
     process = subprocess.Popen(command, env=server_environment(install), start_new_session=True)
-    exit_timeout = exit_timeout_from_args(command)
-    if exit_timeout is None:
-        exit_timeout = TRITON_DEFAULT_EXIT_TIMEOUT
+    told = triton_command.parse(command)
+    exit_timeout = told.exit_timeout if told and told.exit_timeout is not None else None
+    exit_timeout = triton_command.TRITON_DEFAULT_EXIT_TIMEOUT if exit_timeout is None else exit_timeout
     stop_deadline: list[float] = []  # set by the first SIGINT/SIGTERM
 
     def forward(signum: int, _frame: object) -> None:

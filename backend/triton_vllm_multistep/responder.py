@@ -29,6 +29,13 @@ CANCEL_CHECKS_PER_SWEEP = 4
 _NOTHING = object()  # queue wait timed out: time to sweep for cancellations
 
 
+@dataclass(frozen=True)
+class EndRequests:
+    """End every request in flight with an UNAVAILABLE FINAL (and abort it in the engine)."""
+
+    message: str
+
+
 @dataclass
 class RequestState:
     """What the responder knows of one request in flight."""
@@ -51,7 +58,7 @@ class Responder:
         self.window_decode: Callable[[Sequence[int], int], str] | None = None
         self._states: dict[str, RequestState] = {}
         self._lock = threading.Lock()
-        self._events: queue.SimpleQueue[EngineEvent | None] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[EngineEvent | EndRequests | None] = queue.SimpleQueue()
         self._final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         self._thread = threading.Thread(target=self._run, name="triton-responder", daemon=True)
 
@@ -67,6 +74,15 @@ class Responder:
     def post(self, event: EngineEvent) -> None:
         """Called from the engine thread: a queue put, nothing more."""
         self._events.put(event)
+
+    def end_all(self, message: str) -> None:
+        """Any thread: have the response thread end every request in flight.
+
+        Only the response thread sends on a registered request's sender: a FINAL sent from another
+        thread while it sends that request's next response crashes tritonserver 2.51 (seen: SIGSEGV
+        in the Python backend when the second send reaches a response factory the FINAL freed).
+        """
+        self._events.put(EndRequests(message))
 
     def register(self, request_id: str, state: RequestState) -> None:
         with self._lock:
@@ -120,15 +136,17 @@ class Responder:
                 last_sweep = now
                 self._sweep_cancelled()
 
-    def _handle(self, event: EngineEvent) -> None:
+    def _handle(self, event: EngineEvent | EndRequests) -> None:
         if isinstance(event, StepOutputs):
             self._send_outputs(event)
         elif isinstance(event, RequestFailed):
             self.fail(event.request_id, event.message, self._pb.TritonError.INVALID_ARG)
         elif isinstance(event, EngineDied):
-            with self._lock:
-                lost = list(self._states)
-            for request_id in lost:
+            for request_id in self.request_ids():
+                self.fail(request_id, event.message, self._pb.TritonError.UNAVAILABLE)
+        elif isinstance(event, EndRequests):
+            for request_id in self.request_ids():
+                self._abort(request_id)
                 self.fail(request_id, event.message, self._pb.TritonError.UNAVAILABLE)
 
     def _send_outputs(self, event: StepOutputs) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import codec, config, drain
+from . import codec, config, drain, triton_command
 from .detokenization import window_decoder
 from .device import instance_device_environment
 
@@ -129,12 +129,15 @@ class ModelServer:
                 time_steps=self.metrics is not None,
                 on_death=self._on_engine_death,
             )
-            self.drain = drain.UnloadDrain(
+            # The stub is a child of tritonserver: its command line says how it runs.
+            self._server_command = triton_command.of_process(os.getppid())
+            self.drain = drain.unload_drain_for(
                 self.model_name,
-                drain.readiness_probe(pb_utils, self.model_name, str(args.get("model_version", "1"))),
-                self.responder.in_flight,
-                self._end_all,
-                drain.drain_seconds(self.settings.unload_drain_seconds, drain.server_exit_timeout(os.getppid())),
+                str(args.get("model_version", "1")),
+                self._server_command,
+                self.settings.unload_drain_seconds,
+                in_flight=self.responder.in_flight,
+                end_all=self.responder.end_all,
             )
             self.drain.start()
         except BaseException:
@@ -237,7 +240,12 @@ class ModelServer:
         deadline = time.monotonic() + wait_seconds
         while self.responder.in_flight() and time.monotonic() < deadline:
             time.sleep(0.05)
+        mode = self._server_command.model_control_mode if self._server_command else None
         try:
+            # Triton refuses unloads outside explicit model control; a refused call takes the 2.51
+            # Python backend's error path, which is not safe (see drain.py), so it is not made.
+            if mode not in (None, "explicit"):
+                raise RuntimeError(f"the server runs with --model-control-mode={mode}")
             self._pb.unload_model(self.model_name)
         except Exception as error:
             logger.error(
@@ -252,12 +260,6 @@ class ModelServer:
             logger.error(
                 "vllm_multistep: engine of model %s failed (%s); model unload requested", self.model_name, message
             )
-
-    def _end_all(self, message: str) -> None:
-        """Drain thread: end every request in flight (abort in the engine, UNAVAILABLE FINAL)."""
-        for request_id in self.responder.request_ids():
-            self.loop.abort(request_id)
-            self.responder.fail(request_id, message, self._pb.TritonError.UNAVAILABLE)
 
     def close(self) -> None:
         self.drain.stop()
