@@ -207,3 +207,22 @@ def test_unload_drain_for_a_server_without_http_never_drains() -> None:
     assert watcher.drain_seconds == 7.0
     assert watcher._is_ready() is None
     assert drain.unload_drain_for("m", "1", None, 2.0, model.in_flight, model.end_all).drain_seconds == 2.0
+
+
+def test_a_drain_file_drains_even_a_ready_model_and_marks_it_done(tmp_path) -> None:
+    drain_file = tmp_path / "drain"
+    model = Model(in_flight=2, ready=True)
+    watcher = drain.UnloadDrain(
+        "m", model.is_ready, model.in_flight, model.end_all, 0.1, poll_seconds=0.01, drain_file=drain_file
+    )
+    watcher.start()
+    try:
+        time.sleep(0.05)
+        assert not watcher.draining
+        drain_file.touch()
+        marker = drain.drained_marker(drain_file, os.getpid())
+        assert _until(marker.exists)
+        assert watcher.draining and watcher.reason == drain.DRAIN_REQUESTED_MESSAGE
+        assert model.ended == [drain.DRAIN_REQUESTED_MESSAGE] and model.in_flight() == 0
+    finally:
+        watcher.stop()

@@ -8,6 +8,9 @@ FINAL or a clean stream error, nothing hangs, and no stub or vLLM worker process
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,9 +19,10 @@ from pathlib import Path
 import psutil
 import pytest
 import tritonclient.grpc as grpcclient
-from private_servers import make_repository, metric, model_ready, scrape, stub_processes, wait_for
+from private_servers import SHIPPED_MODEL, make_repository, metric, model_ready, scrape, stub_processes, wait_for
 from triton_clients import StreamResult, grpc_generate
 
+from triton_vllm_multistep.drain import DRAIN_FILE_ENV
 from triton_vllm_multistep.engine_loop import FAULT_FILE_ENV
 from triton_vllm_multistep.local_server import ServerProcess, start_server
 
@@ -172,7 +176,7 @@ def test_unload_and_reload_with_streams_in_flight(lifecycle_server) -> None:
             assert result.finals == 1 and result.error is None, (result.finals, result.error)
             assert len(result.token_ids()) == LONG["max_tokens"]
         log = server.log_tail(100)
-        assert "with 4 request(s) in flight: letting them finish for up to 25.0 s" in log
+        assert "with 4 request(s) in flight: new requests are refused, these may finish for up to 25.0 s" in log
         assert "every request in flight finished while draining" in log
         assert wait_for(lambda: not model_ready(server, MODEL), timeout=60)
         assert wait_for(lambda: not stub_processes(server), timeout=60), "the unloaded model's stub is still running"
@@ -186,49 +190,134 @@ def test_unload_and_reload_with_streams_in_flight(lifecycle_server) -> None:
     assert after.finals == 1 and after.error is None and len(after.token_ids()) == 4
 
 
-def test_sigterm_under_load_drains_then_ends_every_stream_and_leaves_no_process(
-    tmp_path: Path, demo_model_paths: dict
-) -> None:
-    """SIGTERM: streams that can finish within the drain (exit timeout - 5 s) do; the rest end with
-    UNAVAILABLE before the exit timeout expires, and the server exits cleanly (0, finalize ran)."""
-    exit_timeout = 8
-    drain = exit_timeout - 5  # derived by the model from the server's --exit-timeout-secs
-    medium = {"temperature": 0, "max_tokens": 50, "ignore_eos": True}
-    endless = {"temperature": 0, "max_tokens": 2000, "ignore_eos": True}  # far more than the drain allows
+EXIT_TIMEOUT = 8
+DRAIN = EXIT_TIMEOUT - 5  # derived by the model from the server's --exit-timeout-secs
+MEDIUM = {"temperature": 0, "max_tokens": 50, "ignore_eos": True}
+ENDLESS = {"temperature": 0, "max_tokens": 2000, "ignore_eos": True}  # far more than the drain allows
+
+
+def _shutdown_repository(tmp_path: Path, ensemble: bool = False) -> Path:
+    """The LLM model allowing 2000-token streams, with the shipped ensemble around it if asked."""
     repository = make_repository(tmp_path, {MODEL: {"engine": {"max_model_len": 2048}}})
-    server = start_server(repository, tmp_path / "tritonserver.log", f"--exit-timeout-secs={exit_timeout}")
-    try:
-        server.wait_ready(timeout=600)
-        processes = server.descendants()
-        assert stub_processes(server)
-        finishing = Streams(server, 4, medium, timeout=exit_timeout + 60)
-        cut = Streams(server, 4, endless, timeout=exit_timeout + 60)
-        finishing.wait_streaming()
-        cut.wait_streaming()
-        started = time.monotonic()
-        server.process.send_signal(15)
-        code = server.process.wait(exit_timeout + 30)
-        took = time.monotonic() - started
-        finished, ended = finishing.join(timeout=60), cut.join(timeout=60)
-    finally:
-        server.stop()
-    log = server.log_path.read_text(errors="replace")
-    assert code == 0, server.log_tail()
-    assert drain <= took < exit_timeout, took
+    if ensemble:
+        for stage in ("preprocessing", "postprocessing", "ensemble"):
+            shutil.copytree(SHIPPED_MODEL.parent / stage, repository / stage)
+    return repository
+
+
+def _assert_drained(finished: dict, ended: dict, message: str) -> None:
+    """Streams short enough for the drain completed; the others ended with `message`, each with one FINAL."""
     for result in finished.values():
         assert isinstance(result, StreamResult), result
         assert result.finals == 1 and result.error is None, (result.finals, result.error)
-        assert len(result.token_ids()) == medium["max_tokens"]
+        assert len(result.responses) == MEDIUM["max_tokens"]
     for result in ended.values():
         assert isinstance(result, StreamResult), result
         assert result.finals == 1, (result.finals, result.error)
-        assert result.error is not None and "the model is being unloaded" in result.error, result.error
-        assert 0 < len(result.token_ids()) < endless["max_tokens"]
-    assert f"letting them finish for up to {drain:.1f} s" in log
-    assert f"ending {len(ended)} request(s) still in flight" in log
+        assert result.error is not None and message in result.error, result.error
+        assert 0 < len(result.responses) < ENDLESS["max_tokens"]
+
+
+def _assert_clean_exit(server: ServerProcess, processes: list[psutil.Process]) -> str:
+    log = server.log_path.read_text(errors="replace")
     assert "model vllm_model finalized: engine shut down" in log  # finalize ran: not killed
     assert "Exit timeout expired" not in log
     time.sleep(0.5)
     alive = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"left behind: {alive}"
+    return log
+
+
+def test_sigterm_to_tritonserver_drains_then_ends_every_stream_and_leaves_no_process(
+    tmp_path: Path, demo_model_paths: dict
+) -> None:
+    """SIGTERM to tritonserver itself (no launcher in between): the model sees Triton stop (readiness),
+    streams that can finish within the drain do, the rest end with UNAVAILABLE before the exit timeout
+    expires, and the server exits cleanly (0, finalize ran)."""
+    repository = _shutdown_repository(tmp_path)
+    server = start_server(repository, tmp_path / "tritonserver.log", f"--exit-timeout-secs={EXIT_TIMEOUT}")
+    try:
+        server.wait_ready(timeout=600)
+        processes = server.descendants()
+        tritonserver = next(p for p in processes if p.name() == "tritonserver")
+        assert stub_processes(server)
+        finishing = Streams(server, 4, MEDIUM, timeout=EXIT_TIMEOUT + 60)
+        cut = Streams(server, 4, ENDLESS, timeout=EXIT_TIMEOUT + 60)
+        finishing.wait_streaming()
+        cut.wait_streaming()
+        started = time.monotonic()
+        tritonserver.send_signal(15)
+        code = server.process.wait(EXIT_TIMEOUT + 30)  # the launcher exits with tritonserver's code
+        took = time.monotonic() - started
+        finished, ended = finishing.join(timeout=60), cut.join(timeout=60)
+    finally:
+        server.stop()
+    assert code == 0, server.log_tail()
+    assert DRAIN <= took < EXIT_TIMEOUT, took
+    _assert_drained(finished, ended, "the model is being unloaded (or the server is stopping)")
+    log = _assert_clean_exit(server, processes)
+    assert f"these may finish for up to {DRAIN:.1f} s" in log
+    assert f"ending {len(ended)} request(s) still in flight" in log
     assert os.environ.get(FAULT_FILE_ENV) is None
+
+
+def test_sigterm_to_the_launcher_drains_ensemble_streams_before_triton_stops(
+    tmp_path: Path, demo_model_paths: dict
+) -> None:
+    """Triton 2.51 stops every scheduler when it starts stopping, after which an ensemble in flight never
+    finishes; the launcher therefore drains the LLM models first: every ensemble and direct stream ends
+    with its FINAL (completed, or "the server is about to stop"), then Triton stops cleanly."""
+    repository = _shutdown_repository(tmp_path, ensemble=True)
+    server = start_server(repository, tmp_path / "tritonserver.log", f"--exit-timeout-secs={EXIT_TIMEOUT}")
+    try:
+        server.wait_ready(timeout=600)
+        processes = server.descendants()
+        finishing = Streams(server, 2, MEDIUM, timeout=3 * EXIT_TIMEOUT + 60, model="ensemble")
+        cut = Streams(server, 2, ENDLESS, timeout=3 * EXIT_TIMEOUT + 60, model="ensemble")
+        cut_direct = Streams(server, 2, ENDLESS, timeout=3 * EXIT_TIMEOUT + 60)
+        for streams in (finishing, cut, cut_direct):
+            streams.wait_streaming()
+        started = time.monotonic()
+        server.process.send_signal(15)
+        code = server.process.wait(2 * EXIT_TIMEOUT + 30)
+        took = time.monotonic() - started
+        finished = finishing.join(timeout=60)
+        ended = {**cut.join(timeout=60), **{10 + i: r for i, r in cut_direct.join(timeout=60).items()}}
+    finally:
+        server.stop()
+    assert code == 0, server.log_tail()
+    assert took < 2 * EXIT_TIMEOUT, took
+    _assert_drained(finished, ended, "the server is about to stop")
+    log = _assert_clean_exit(server, processes)
+    assert "drained 1 model instance(s)" in log and "(all drained); stopping tritonserver" in log
+
+
+def test_drain_command_drains_a_running_server_and_it_refuses_new_requests(
+    tmp_path: Path, demo_model_paths: dict
+) -> None:
+    """`triton-vllm-multistep drain` (a preStop hook for a plain tritonserver) finds the server by its drain
+    file, drains it, and returns once done; the model then refuses new requests with UNAVAILABLE."""
+    drain_file = tmp_path / "drain-request"
+    repository = _shutdown_repository(tmp_path)
+    env = {DRAIN_FILE_ENV: str(drain_file)}
+    server = start_server(repository, tmp_path / "tritonserver.log", "--exit-timeout-secs=10", env=env)
+    try:
+        server.wait_ready(timeout=600)
+        cut = Streams(server, 2, ENDLESS, timeout=120)
+        cut.wait_streaming()
+        command = subprocess.run(
+            [sys.executable, "-m", "triton_vllm_multistep", "drain", "--timeout", "30"],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert command.returncode == 0, command.stderr
+        assert "1 vllm_multistep model instance(s), 1 drained" in command.stdout, command.stdout
+        _assert_drained({}, cut.join(timeout=30), "the server is about to stop")
+        refused = grpc_generate(server.grpc_url, MODEL, prompt="late", sampling=SHORT, stream=True, timeout=30)
+        assert refused.finals == 1 and refused.error is not None
+        assert "the server is about to stop: not taking new requests" in refused.error
+    finally:
+        code = server.stop(timeout=60)
+    assert code == 0, server.log_tail()

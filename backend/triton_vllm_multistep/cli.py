@@ -1,15 +1,17 @@
-"""Command line: `triton-vllm-multistep serve|build-demo-models|doctor`.
+"""Command line: `triton-vllm-multistep serve|drain|build-demo-models|doctor`.
 
-Owns argument parsing only; the work is in launcher and demo_models.
+Owns argument parsing only; the work is in launcher, server_drain and demo_models.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from . import demo_models, launcher
+from . import demo_models, launcher, server_drain
+from .drain import DRAIN_FILE_ENV
 
 
 def _serve(args: argparse.Namespace, rest: list[str]) -> int:
@@ -20,6 +22,29 @@ def _serve(args: argparse.Namespace, rest: list[str]) -> int:
     except launcher.LaunchError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+
+
+def _drain(args: argparse.Namespace, rest: list[str]) -> int:
+    drain_file = args.drain_file or os.environ.get(DRAIN_FILE_ENV)
+    if not drain_file:
+        print(
+            f"error: no drain file: set {DRAIN_FILE_ENV} for the server and this command (or pass --drain-file)",
+            file=sys.stderr,
+        )
+        return 2
+    servers = server_drain.tritonserver_pids(Path(drain_file))
+    if not servers:
+        print(f"error: no running tritonserver has {DRAIN_FILE_ENV}={drain_file}", file=sys.stderr)
+        return 1
+    busy = 0
+    for pid in servers:
+        result = server_drain.drain_server(pid, Path(drain_file), launcher.BACKEND_NAME, timeout=args.timeout)
+        busy += len(result.busy)
+        print(
+            f"tritonserver {pid}: {len(result.stubs)} {launcher.BACKEND_NAME} model instance(s), "
+            f"{len(result.stubs) - len(result.busy)} drained in {result.seconds:.1f} s"
+        )
+    return 1 if busy else 0
 
 
 def _build(args: argparse.Namespace, rest: list[str]) -> int:
@@ -48,6 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         help="run tritonserver with this backend; every other argument goes to tritonserver",
     )
     serve.set_defaults(handler=_serve)
+    drain = commands.add_parser(
+        "drain",
+        help="have the running tritonserver's LLM models finish or end their streams before it is stopped "
+        "(e.g. a Kubernetes preStop hook)",
+    )
+    drain.add_argument("--drain-file", default=None, help=f"the server's {DRAIN_FILE_ENV} (default: from the env)")
+    drain.add_argument("--timeout", type=float, default=30.0, help="seconds to wait at most (default 30)")
+    drain.set_defaults(handler=_drain)
     build = commands.add_parser("build-demo-models", help="build the local demo models")
     build.add_argument("names", nargs="*")
     build.add_argument("--output", type=Path, default=None)

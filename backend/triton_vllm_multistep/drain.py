@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import http.client
 import logging
+import os
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable
+from pathlib import Path
 
 from .triton_command import TRITON_DEFAULT_EXIT_TIMEOUT, TritonCommand
 
@@ -34,6 +36,18 @@ logger = logging.getLogger("triton_vllm_multistep")
 # Triton's own unloading.
 DRAIN_MARGIN_SECONDS = 5.0
 UNLOADING_MESSAGE = "the model is being unloaded (or the server is stopping)"
+# Drain on request, before the server is told to stop: Triton 2.51 stops every model's scheduler
+# as soon as it starts stopping, so an ensemble whose next step (postprocessing of the LLM's next
+# response) is refused then never finishes (fixed in Triton core in 2026, not in 2.51). Draining
+# first lets every ensemble stream end normally. The launcher does it on SIGTERM; for a plain
+# tritonserver, `triton-vllm-multistep drain` (e.g. a Kubernetes preStop hook) does.
+DRAIN_FILE_ENV = "TRITON_VLLM_MULTISTEP_DRAIN_FILE"
+DRAIN_REQUESTED_MESSAGE = "the server is about to stop"
+
+
+def drained_marker(drain_file: Path, stub_pid: int) -> Path:
+    """The file a model instance (its stub process) creates once it has drained on request."""
+    return drain_file.with_name(f"{drain_file.name}.drained.{stub_pid}")
 
 
 def drain_seconds(configured: float | None, exit_timeout: float | None) -> float:
@@ -97,7 +111,7 @@ def http_readiness_probe(
 
 
 class UnloadDrain:
-    """A thread that watches readiness while requests are in flight and drains them on unload.
+    """A thread that drains the model's requests on unload, server stop, or request (`drain_file` appears).
 
     `in_flight()` counts the requests not yet answered with their FINAL; `end_all(message)` ends
     every one of them with an error FINAL. Once draining has begun, `draining` stays True (the
@@ -113,6 +127,7 @@ class UnloadDrain:
         drain_seconds: float,
         poll_seconds: float = 0.25,
         first_answer_poll_seconds: float = 0.02,
+        drain_file: Path | None = None,
     ) -> None:
         self.model_name = model_name
         self.drain_seconds = drain_seconds
@@ -121,8 +136,10 @@ class UnloadDrain:
         self._end_all = end_all
         self._poll = poll_seconds
         self._first_answer_poll = first_answer_poll_seconds
+        self._drain_file = drain_file
         self._stopped = threading.Event()
         self.draining = False
+        self.reason = UNLOADING_MESSAGE  # why it drains, once it does
         self._thread = threading.Thread(target=self._run, name="vllm-unload-drain", daemon=True)
 
     def start(self) -> None:
@@ -140,22 +157,39 @@ class UnloadDrain:
         # its endpoints (a refused local connect costs microseconds).
         answered = False
         while not self._stopped.wait(self._poll if answered else self._first_answer_poll):
+            if self._drain_file is not None and self._drain_file.exists():
+                self._drain(DRAIN_REQUESTED_MESSAGE)
+                self._mark_drained()
+                return
             busy = self._in_flight() > 0
             if answered and not busy:
                 continue
             ready = self._is_ready()
             answered = answered or ready is not None
             if busy and ready is False:
-                self._drain()
+                self._drain(UNLOADING_MESSAGE)
                 return
 
-    def _drain(self) -> None:
+    def _mark_drained(self) -> None:
+        """Tell whoever asked (launcher, `drain` command) once every FINAL has gone out."""
+        deadline = time.monotonic() + 5.0
+        while self._in_flight() and time.monotonic() < deadline and not self._stopped.wait(0.02):
+            pass
+        assert self._drain_file is not None
+        try:
+            drained_marker(self._drain_file, os.getpid()).touch()
+        except OSError as error:
+            logger.warning("vllm_multistep: model %s: cannot mark the drain done: %s", self.model_name, error)
+
+    def _drain(self, why: str) -> None:
+        self.reason = why
         self.draining = True
         count = self._in_flight()
         logger.warning(
-            "vllm_multistep: model %s is being unloaded (or the server is stopping) with %d request(s) in flight: "
-            "letting them finish for up to %.1f s",
+            "vllm_multistep: model %s: %s, with %d request(s) in flight: new requests are refused, these may finish "
+            "for up to %.1f s",
             self.model_name,
+            why,
             count,
             self.drain_seconds,
         )
@@ -171,7 +205,7 @@ class UnloadDrain:
                 remaining,
                 self.drain_seconds,
             )
-            self._end_all(UNLOADING_MESSAGE)
+            self._end_all(why)
         else:
             logger.info("vllm_multistep: model %s: every request in flight finished while draining", self.model_name)
 
@@ -192,10 +226,12 @@ def unload_drain_for(
             "is not noticed while requests are in flight: they are not drained",
             model_name,
         )
+    drain_file = os.environ.get(DRAIN_FILE_ENV)
     return UnloadDrain(
         model_name,
         http_readiness_probe(endpoint, model_name, model_version) if endpoint else lambda: None,
         in_flight,
         end_all,
         drain_seconds(configured_seconds, server.exit_timeout if server else None),
+        drain_file=Path(drain_file) if drain_file else None,
     )

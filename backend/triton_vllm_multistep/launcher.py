@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from pathlib import Path
 
 from . import demo_models, triton_command
 from .device import gpu_count
+from .drain import DRAIN_FILE_ENV
+from .server_drain import drain_server
 
 BACKEND_NAME = "vllm_multistep"
 SYSTEM_TRITON = Path("/opt/tritonserver")
@@ -161,44 +164,73 @@ def build_command(install: TritonInstall, backend_dir: Path, server_args: Sequen
 
 
 def serve(server_args: Sequence[str], backend_dir: Path | None = None) -> int:
-    """Run tritonserver in the foreground, forwarding signals; return its exit code."""
+    """Run tritonserver in the foreground; on SIGINT/SIGTERM drain its LLM models, then stop it; return its code."""
     install = find_triton()
     backend_dir = prepare_backend_dir(install, backend_dir or demo_models.cache_home() / "backends" / BACKEND_NAME)
     command = build_command(install, backend_dir, server_args)
     print("[triton-vllm-multistep] " + " ".join(command), file=sys.stderr, flush=True)
-    # Own process group: a signal to the launcher reaches Triton once, via us, and Triton
-    # shuts its stubs (and their vLLM workers) down itself.
-    process = subprocess.Popen(command, env=server_environment(install), start_new_session=True)
+    env = server_environment(install)
+    own_drain_dir = None if env.get(DRAIN_FILE_ENV) else Path(tempfile.mkdtemp(prefix="triton-vllm-multistep-"))
+    if own_drain_dir is not None:
+        env[DRAIN_FILE_ENV] = str(own_drain_dir / "drain")
     told = triton_command.parse(command)
     exit_timeout = told.exit_timeout if told and told.exit_timeout is not None else None
     exit_timeout = triton_command.TRITON_DEFAULT_EXIT_TIMEOUT if exit_timeout is None else exit_timeout
-    stop_deadline: list[float] = []  # set by the first SIGINT/SIGTERM
+    # Own process group: a signal to the launcher reaches Triton once, via us, and Triton
+    # shuts its stubs (and their vLLM workers) down itself.
+    process = subprocess.Popen(command, env=env, start_new_session=True)
+    stops: list[int] = []  # SIGINT/SIGTERM received; the first drains, a second stops at once
 
-    def forward(signum: int, _frame: object) -> None:
-        if process.poll() is None:
-            process.send_signal(signum)
-            if signum in (signal.SIGINT, signal.SIGTERM) and not stop_deadline:
-                stop_deadline.append(time.monotonic() + exit_timeout + EXIT_GRACE_SECONDS)
+    def on_signal(signum: int, _frame: object) -> None:
+        if process.poll() is not None:
+            return
+        if signum in (signal.SIGINT, signal.SIGTERM):
+            stops.append(signum)
+            if len(stops) == 1:
+                return  # the main loop drains first
+        process.send_signal(signum)
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(signum, forward)
+        signal.signal(signum, on_signal)
+    kill_at: float | None = None
     try:
         while True:
             try:
-                return process.wait(timeout=1.0)
+                return process.wait(timeout=0.2)
             except subprocess.TimeoutExpired:
-                if stop_deadline and time.monotonic() > stop_deadline[0]:
-                    print(
-                        "[triton-vllm-multistep] tritonserver did not exit within its exit timeout "
-                        f"({exit_timeout:g} s) + {EXIT_GRACE_SECONDS:g} s after being asked to stop: killing it",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    _reap_group(process.pid)
-                    process.wait()
-                    return 1
+                pass
+            if stops and kill_at is None:
+                _drain_then_stop(process, Path(env[DRAIN_FILE_ENV]), exit_timeout, stops)
+                kill_at = time.monotonic() + exit_timeout + EXIT_GRACE_SECONDS
+            if kill_at is not None and time.monotonic() > kill_at:
+                print(
+                    "[triton-vllm-multistep] tritonserver did not exit within its exit timeout "
+                    f"({exit_timeout:g} s) + {EXIT_GRACE_SECONDS:g} s after being asked to stop: killing it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                _reap_group(process.pid)
+                process.wait()
+                return 1
     finally:
         _reap_group(process.pid)
+        if own_drain_dir is not None:
+            shutil.rmtree(own_drain_dir, ignore_errors=True)
+
+
+def _drain_then_stop(process: subprocess.Popen, drain_file: Path, exit_timeout: float, stops: list[int]) -> None:
+    """Let the LLM models finish or end their streams while Triton still runs ensembles, then signal it."""
+    result = drain_server(process.pid, drain_file, BACKEND_NAME, timeout=exit_timeout, give_up=lambda: len(stops) > 1)
+    if result.stubs:
+        state = f"{len(result.busy)} still busy" if result.busy else "all drained"
+        print(
+            f"[triton-vllm-multistep] drained {len(result.stubs)} model instance(s) in {result.seconds:.1f} s "
+            f"({state}); stopping tritonserver",
+            file=sys.stderr,
+            flush=True,
+        )
+    if process.poll() is None and len(stops) == 1:
+        process.send_signal(stops[0])
 
 
 def _reap_group(pgid: int) -> None:

@@ -181,7 +181,9 @@ class ModelServer:
         for request in requests:
             sender = request.get_response_sender()
             if self.drain.draining:
-                self.responder.send_error(sender, drain.UNLOADING_MESSAGE, self._pb.TritonError.UNAVAILABLE)
+                self.responder.send_error(
+                    sender, f"{self.drain.reason}: not taking new requests", self._pb.TritonError.UNAVAILABLE
+                )
                 continue
             if not self.loop.healthy:
                 self.responder.send_error(

@@ -1,0 +1,115 @@
+"""Asking a running tritonserver's vllm_multistep model instances to drain before the server is stopped.
+
+Owns finding the server's processes and this backend's stubs (/proc), creating the drain file
+and waiting for every instance's "drained" marker; must not signal or stop the server. Used by
+the launcher on SIGTERM and by `triton-vllm-multistep drain` (e.g. a Kubernetes preStop hook).
+The model side is drain.UnloadDrain.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .drain import DRAIN_FILE_ENV, drained_marker
+
+PROC = Path("/proc")
+# After the last LLM FINAL, an ensemble still runs its postprocessing step on it: give it this
+# long before the server is told to stop (it then refuses new composing-model requests).
+SETTLE_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class DrainResult:
+    stubs: list[int]  # this backend's stub processes found in the server
+    busy: list[int]  # those that had not marked the drain done (and still ran) when waiting ended
+    seconds: float
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        raw = (PROC / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = (PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # fields after "(comm)": state, ppid, ...
+
+
+def _pids() -> list[int]:
+    return [int(entry.name) for entry in PROC.iterdir() if entry.name.isdigit()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def _environment(pid: int) -> dict[str, str]:
+    try:
+        raw = (PROC / str(pid) / "environ").read_bytes()
+    except OSError:
+        return {}
+    pairs = (part.decode(errors="replace").partition("=") for part in raw.split(b"\0") if part)
+    return {name: value for name, _, value in pairs}
+
+
+def tritonserver_pids(drain_file: Path) -> list[int]:
+    """The running tritonserver processes whose models watch `drain_file` (from their environment)."""
+    return [
+        pid
+        for pid in _pids()
+        if (argv := _cmdline(pid))
+        and Path(argv[0]).name == "tritonserver"
+        and _environment(pid).get(DRAIN_FILE_ENV) == str(drain_file)
+    ]
+
+
+def backend_stub_pids(server_pid: int, backend_name: str) -> list[int]:
+    """The server's Python-backend stubs that run `backend_name` models (its folder is their last argument)."""
+    stubs = []
+    for pid in _pids():
+        if _parent(pid) != server_pid:
+            continue
+        argv = _cmdline(pid)
+        if argv and "triton_python_backend_stub" in Path(argv[0]).name and argv[-1].endswith(f"/{backend_name}"):
+            stubs.append(pid)
+    return stubs
+
+
+def drain_server(
+    server_pid: int,
+    drain_file: Path,
+    backend_name: str,
+    timeout: float,
+    give_up: Callable[[], bool] = lambda: False,
+    settle: float = SETTLE_SECONDS,
+) -> DrainResult:
+    """Create `drain_file` and wait (up to `timeout` s) until each of the server's instances has drained."""
+    started = time.monotonic()
+    stubs = backend_stub_pids(server_pid, backend_name)
+    if not stubs:
+        return DrainResult([], [], 0.0)
+    drain_file.parent.mkdir(parents=True, exist_ok=True)
+    drain_file.touch()
+    deadline = started + timeout
+
+    def busy() -> list[int]:
+        return [pid for pid in stubs if _alive(pid) and not drained_marker(drain_file, pid).exists()]
+
+    while (waiting := busy()) and time.monotonic() < deadline and _alive(server_pid) and not give_up():
+        time.sleep(0.05)
+    if not waiting:
+        time.sleep(settle)
+    return DrainResult(stubs, waiting, time.monotonic() - started)
