@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import pytest
 
-from triton_vllm_multistep import config, drain, triton_command
+from triton_vllm_multistep import config, drain, server_drain, triton_command
 from triton_vllm_multistep.triton_command import TritonCommand
 
 
@@ -226,3 +226,33 @@ def test_a_drain_file_drains_even_a_ready_model_and_marks_it_done(tmp_path) -> N
         assert model.ended == [drain.DRAIN_REQUESTED_MESSAGE] and model.in_flight() == 0
     finally:
         watcher.stop()
+
+
+def test_a_drain_file_left_from_before_the_instance_is_ignored(tmp_path) -> None:
+    drain_file = tmp_path / "drain"
+    drain_file.touch()
+    os.utime(drain_file, (time.time() - 60, time.time() - 60))  # e.g. a restarted container's
+    model = Model(in_flight=1, ready=True)
+    watcher = drain.UnloadDrain(
+        "m", model.is_ready, model.in_flight, model.end_all, 0.0, poll_seconds=0.01, drain_file=drain_file
+    )
+    watcher.start()
+    try:
+        time.sleep(0.1)
+        assert not watcher.draining
+        drain_file.touch()  # a drain request now
+        assert _until(lambda: watcher.draining)
+    finally:
+        watcher.stop()
+
+
+def test_a_drained_marker_older_than_its_process_is_a_leftover(tmp_path) -> None:
+    drain_file = tmp_path / "drain"
+    marker = drain.drained_marker(drain_file, os.getpid())
+    assert not server_drain._drained(drain_file, os.getpid())
+    marker.touch()
+    assert server_drain._drained(drain_file, os.getpid())
+    started = server_drain._started_at(os.getpid())
+    assert started is not None and started <= time.time()
+    os.utime(marker, (started - 60, started - 60))
+    assert not server_drain._drained(drain_file, os.getpid())

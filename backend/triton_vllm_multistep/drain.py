@@ -137,6 +137,7 @@ class UnloadDrain:
         self._poll = poll_seconds
         self._first_answer_poll = first_answer_poll_seconds
         self._drain_file = drain_file
+        self._created = time.time()
         self._stopped = threading.Event()
         self.draining = False
         self.reason = UNLOADING_MESSAGE  # why it drains, once it does
@@ -157,7 +158,7 @@ class UnloadDrain:
         # its endpoints (a refused local connect costs microseconds).
         answered = False
         while not self._stopped.wait(self._poll if answered else self._first_answer_poll):
-            if self._drain_file is not None and self._drain_file.exists():
+            if self._drain_requested():
                 self._drain(DRAIN_REQUESTED_MESSAGE)
                 self._mark_drained()
                 return
@@ -169,6 +170,15 @@ class UnloadDrain:
             if busy and ready is False:
                 self._drain(UNLOADING_MESSAGE)
                 return
+
+    def _drain_requested(self) -> bool:
+        """The drain file exists and is not a leftover from before this instance (a restarted container)."""
+        if self._drain_file is None:
+            return False
+        try:
+            return self._drain_file.stat().st_mtime >= self._created
+        except OSError:
+            return False
 
     def _mark_drained(self) -> None:
         """Tell whoever asked (launcher, `drain` command) once every FINAL has gone out."""

@@ -8,6 +8,7 @@ The model side is drain.UnloadDrain.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +47,27 @@ def _parent(pid: int) -> int | None:
 
 def _pids() -> list[int]:
     return [int(entry.name) for entry in PROC.iterdir() if entry.name.isdigit()]
+
+
+def _started_at(pid: int) -> float | None:
+    """When process `pid` started (epoch seconds), from /proc (boot time + start ticks)."""
+    try:
+        ticks = int((PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[19])
+        lines = (PROC / "stat").read_text().splitlines()
+        boot = next(int(line.split()[1]) for line in lines if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _drained(drain_file: Path, pid: int) -> bool:
+    """The instance in stub `pid` marked its drain done (a marker older than the stub is a leftover)."""
+    try:
+        written = drained_marker(drain_file, pid).stat().st_mtime
+    except OSError:
+        return False
+    started = _started_at(pid)
+    return started is None or written >= started - 1.0  # start time has tick resolution
 
 
 def _alive(pid: int) -> bool:
@@ -106,7 +128,7 @@ def drain_server(
     deadline = started + timeout
 
     def busy() -> list[int]:
-        return [pid for pid in stubs if _alive(pid) and not drained_marker(drain_file, pid).exists()]
+        return [pid for pid in stubs if _alive(pid) and not _drained(drain_file, pid)]
 
     while (waiting := busy()) and time.monotonic() < deadline and _alive(server_pid) and not give_up():
         time.sleep(0.05)
