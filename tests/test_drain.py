@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -71,31 +72,66 @@ def test_unload_drain_seconds_parameter() -> None:
             config.backend_settings(_config({"unload_drain_seconds": bad}), {})
 
 
+class Readiness:
+    """What the drain asks: is the model still served (True/False, None: no answer)."""
+
+    def __init__(self, ready: bool | None) -> None:
+        self.ready = ready
+        self.probes = 0
+        self.answered = False  # as HttpReadiness: the endpoint has answered once
+
+    def __call__(self) -> bool | None:
+        self.probes += 1
+        self.answered = self.answered or self.ready is not None
+        return self.ready
+
+
 class Model:
-    """What the drain sees of a model instance: readiness, requests in flight, ending them."""
+    """What the drain sees of a model instance: readiness, requests in flight, intake, ending them."""
 
     def __init__(self, in_flight: int, ready: bool | None = True) -> None:
-        self.ready = ready
+        self.readiness = Readiness(ready)
         self.requests = in_flight
         self.ended: list[str] = []
-        self.probes = 0
+        self.intake_closed: str | None = None
         self.lock = threading.Lock()
 
-    def is_ready(self) -> bool | None:
-        self.probes += 1
-        return self.ready
+    @property
+    def ready(self) -> bool | None:
+        return self.readiness.ready
+
+    @ready.setter
+    def ready(self, value: bool | None) -> None:
+        self.readiness.ready = value
+
+    @property
+    def probes(self) -> int:
+        return self.readiness.probes
 
     def in_flight(self) -> int:
         with self.lock:
             return self.requests
+
+    def close_intake(self, reason: str) -> None:
+        self.intake_closed = reason
 
     def end_all(self, message: str) -> None:
         with self.lock:
             self.ended.append(message)
             self.requests = 0
 
-    def watch(self, drain_seconds: float) -> drain.UnloadDrain:
-        watcher = drain.UnloadDrain("m", self.is_ready, self.in_flight, self.end_all, drain_seconds, poll_seconds=0.01)
+    def watch(self, drain_seconds: float, drain_file: Path | None = None) -> drain.UnloadDrain:
+        watcher = drain.UnloadDrain(
+            "m",
+            self.readiness,
+            self.in_flight,
+            self.close_intake,
+            self.end_all,
+            drain_seconds,
+            poll_seconds=0.01,
+            first_answer_poll_seconds=0.005,
+            drain_file=drain_file,
+        )
         watcher.start()
         return watcher
 
@@ -180,7 +216,7 @@ def test_http_readiness_probe_maps_triton_answers() -> None:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ReadyEndpoint)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        probe = drain.http_readiness_probe(("127.0.0.1", server.server_address[1]), "llm model", "1")
+        probe = drain.HttpReadiness(("127.0.0.1", server.server_address[1]), "llm model", "1")
         for status, answer in ((200, True), (400, False), (503, False), (403, None)):
             _ReadyEndpoint.status = status
             assert probe() is answer, status
@@ -195,52 +231,53 @@ def test_http_readiness_probe_before_the_server_listens() -> None:
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]  # bound, not listening: connections are refused
-        probe = drain.http_readiness_probe(("127.0.0.1", port), "llm", "1")
-        assert probe() is None and probe() is None
+        probe = drain.HttpReadiness(("127.0.0.1", port), "llm", "1")
+        assert probe() is None and probe() is None and not probe.answered
 
 
-def test_unload_drain_for_a_server_without_http_never_drains() -> None:
-    model = Model(in_flight=1, ready=False)
+def test_unload_drain_for_a_server_without_http_watches_only_the_drain_file(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(drain.DRAIN_FILE_ENV, str(tmp_path / "drain"))
+    model = Model(in_flight=1)
     watcher = drain.unload_drain_for(
-        "m", "1", TritonCommand(12.0, None, "none"), None, in_flight=model.in_flight, end_all=model.end_all
+        "m", "1", TritonCommand(12.0, None, "none"), None, model.in_flight, model.close_intake, model.end_all
     )
-    assert watcher.drain_seconds == 7.0
-    assert watcher._is_ready() is None
-    assert drain.unload_drain_for("m", "1", None, 2.0, model.in_flight, model.end_all).drain_seconds == 2.0
+    assert watcher.drain_seconds == 7.0 and watcher._is_ready is None
+    assert watcher._drain_file == tmp_path / "drain"
+    monkeypatch.delenv(drain.DRAIN_FILE_ENV)
+    unwatched = drain.unload_drain_for("m", "1", None, 2.0, model.in_flight, model.close_intake, model.end_all)
+    assert unwatched.drain_seconds == 2.0 and unwatched._drain_file is None
 
 
-def test_a_drain_file_drains_even_a_ready_model_and_marks_it_done(tmp_path) -> None:
+def test_a_drain_request_for_this_server_drains_even_a_ready_model_and_marks_it_done(tmp_path) -> None:
     drain_file = tmp_path / "drain"
     model = Model(in_flight=2, ready=True)
-    watcher = drain.UnloadDrain(
-        "m", model.is_ready, model.in_flight, model.end_all, 0.1, poll_seconds=0.01, drain_file=drain_file
-    )
-    watcher.start()
+    watcher = model.watch(0.1, drain_file=drain_file)
     try:
-        time.sleep(0.05)
+        drain.request_drain(drain_file, os.getppid() + 1)  # another server's request
+        time.sleep(0.1)
         assert not watcher.draining
-        drain_file.touch()
+        drain.request_drain(drain_file, os.getppid())  # this instance's server (its parent process)
         marker = drain.drained_marker(drain_file, os.getpid())
         assert _until(marker.exists)
-        assert watcher.draining and watcher.reason == drain.DRAIN_REQUESTED_MESSAGE
+        assert watcher.draining and model.intake_closed == drain.DRAIN_REQUESTED_MESSAGE
         assert model.ended == [drain.DRAIN_REQUESTED_MESSAGE] and model.in_flight() == 0
+        assert server_drain._drained(drain_file, os.getpid()) == 2  # requests it had when asked
     finally:
         watcher.stop()
 
 
-def test_a_drain_file_left_from_before_the_instance_is_ignored(tmp_path) -> None:
+def test_a_drain_request_from_before_the_process_started_is_ignored(tmp_path) -> None:
     drain_file = tmp_path / "drain"
-    drain_file.touch()
-    os.utime(drain_file, (time.time() - 60, time.time() - 60))  # e.g. a restarted container's
+    drain.request_drain(drain_file, os.getppid())
+    started = drain.process_started_at(os.getpid())
+    assert started is not None and started <= time.time()
+    os.utime(drain_file, (started - 60, started - 60))  # e.g. left by a restarted container
     model = Model(in_flight=1, ready=True)
-    watcher = drain.UnloadDrain(
-        "m", model.is_ready, model.in_flight, model.end_all, 0.0, poll_seconds=0.01, drain_file=drain_file
-    )
-    watcher.start()
+    watcher = model.watch(0.0, drain_file=drain_file)
     try:
         time.sleep(0.1)
         assert not watcher.draining
-        drain_file.touch()  # a drain request now
+        drain.request_drain(drain_file, os.getppid())  # a drain request now
         assert _until(lambda: watcher.draining)
     finally:
         watcher.stop()
@@ -249,10 +286,9 @@ def test_a_drain_file_left_from_before_the_instance_is_ignored(tmp_path) -> None
 def test_a_drained_marker_older_than_its_process_is_a_leftover(tmp_path) -> None:
     drain_file = tmp_path / "drain"
     marker = drain.drained_marker(drain_file, os.getpid())
-    assert not server_drain._drained(drain_file, os.getpid())
-    marker.touch()
-    assert server_drain._drained(drain_file, os.getpid())
-    started = server_drain._started_at(os.getpid())
-    assert started is not None and started <= time.time()
+    assert server_drain._drained(drain_file, os.getpid()) is None
+    marker.write_text("3\n")
+    assert server_drain._drained(drain_file, os.getpid()) == 3
+    started = drain.process_started_at(os.getpid())
     os.utime(marker, (started - 60, started - 60))
-    assert not server_drain._drained(drain_file, os.getpid())
+    assert server_drain._drained(drain_file, os.getpid()) is None

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import demo_models, launcher, server_drain
+from . import demo_models, launcher, server_drain, triton_command
 from .drain import DRAIN_FILE_ENV
 
 
@@ -38,7 +38,11 @@ def _drain(args: argparse.Namespace, rest: list[str]) -> int:
         return 1
     busy = 0
     for pid in servers:
-        result = server_drain.drain_server(pid, Path(drain_file), launcher.BACKEND_NAME, timeout=args.timeout)
+        timeout = args.timeout
+        if timeout is None:  # the server's own exit timeout: the drain itself fits in it
+            told = triton_command.of_process(pid)
+            timeout = told.exit_timeout if told and told.exit_timeout is not None else 30.0
+        result = server_drain.drain_server(pid, Path(drain_file), launcher.BACKEND_NAME, timeout=timeout)
         busy += len(result.busy)
         print(
             f"tritonserver {pid}: {len(result.stubs)} {launcher.BACKEND_NAME} model instance(s), "
@@ -79,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         "(e.g. a Kubernetes preStop hook)",
     )
     drain.add_argument("--drain-file", default=None, help=f"the server's {DRAIN_FILE_ENV} (default: from the env)")
-    drain.add_argument("--timeout", type=float, default=30.0, help="seconds to wait at most (default 30)")
+    drain.add_argument(
+        "--timeout", type=float, default=None, help="seconds to wait per server (default: its --exit-timeout-secs)"
+    )
     drain.set_defaults(handler=_drain)
     build = commands.add_parser("build-demo-models", help="build the local demo models")
     build.add_argument("names", nargs="*")

@@ -58,71 +58,95 @@ def drain_seconds(configured: float | None, exit_timeout: float | None) -> float
     return max(0.0, timeout - DRAIN_MARGIN_SECONDS)
 
 
-def http_readiness_probe(
-    endpoint: tuple[str, int], model_name: str, model_version: str, timeout: float = 2.0
-) -> Callable[[], bool | None]:
+class HttpReadiness:
     """Asks the server's HTTP endpoint whether this model version is ready: True, False, or None (no answer).
 
     One short connection per question: a kept-alive one would hold the server's shutdown up. A
     refused connection is "not ready" once the endpoint has answered before (the server stops
     listening when it starts stopping); before that, the server has not opened it yet.
     """
-    host, port = endpoint
-    path = f"/v2/models/{urllib.parse.quote(model_name, safe='')}/versions/{urllib.parse.quote(model_version)}/ready"
-    warned = False
-    answered = False
 
-    def probe() -> bool | None:
-        nonlocal warned, answered
-        connection = http.client.HTTPConnection(host, port, timeout=timeout)
+    def __init__(self, endpoint: tuple[str, int], model_name: str, model_version: str, timeout: float = 2.0) -> None:
+        self.host, self.port = endpoint
+        self.model_name = model_name
+        self.path = (
+            f"/v2/models/{urllib.parse.quote(model_name, safe='')}/versions/{urllib.parse.quote(model_version)}/ready"
+        )
+        self.timeout = timeout
+        self.answered = False  # the endpoint has answered (any HTTP status) at least once
+        self._failures = 0
+        self._warned = False
+
+    def __call__(self) -> bool | None:
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
         try:
-            connection.request("GET", path, headers={"Connection": "close"})
-            status = connection.getresponse().status
+            connection.request("GET", self.path, headers={"Connection": "close"})
+            status: int | None = connection.getresponse().status
             problem = f"HTTP {status}"
-        except ConnectionRefusedError as error:
-            if answered:
+        except ConnectionRefusedError:
+            if self.answered:
                 return False
-            status, problem = None, f"{type(error).__name__}: {error}"
+            return None  # not listening yet: the server opens its endpoints once models are loaded
         except (OSError, http.client.HTTPException) as error:
             status, problem = None, f"{type(error).__name__}: {error}"
         finally:
             connection.close()
+        if status is not None:
+            self.answered = True
         if status == 200:
-            answered = True
+            self._failures = 0
             return True
         if status in (400, 503):  # Triton's answers for "not ready", the server's stopping included
-            answered = True
+            self._failures = 0
             return False
-        if status is None and not answered:
-            return None  # not listening yet: the server opens its endpoints once models are loaded
-        if not warned:
-            warned = True
+        self._failures += 1
+        if self._failures >= 3 and not self._warned:
+            self._warned = True
             logger.warning(
-                "vllm_multistep: cannot ask tritonserver at %s:%d whether %s is ready (%s): requests in flight "
-                "will not be drained on unload",
-                host,
-                port,
-                model_name,
+                "vllm_multistep: cannot ask tritonserver at %s:%d whether %s is ready (%s): an unload or server stop "
+                "is not noticed while this lasts",
+                self.host,
+                self.port,
+                self.model_name,
                 problem,
             )
         return None
 
-    return probe
+
+def process_started_at(pid: int) -> float | None:
+    """When process `pid` started (epoch seconds, clock-tick resolution), from /proc."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        lines = Path("/proc/stat").read_text().splitlines()
+        boot = next(int(line.split()[1]) for line in lines if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def request_drain(drain_file: Path, server_pid: int) -> None:
+    """Ask the instances of tritonserver `server_pid` that watch `drain_file` to drain."""
+    drain_file.parent.mkdir(parents=True, exist_ok=True)
+    with drain_file.open("a") as requests:
+        requests.write(f"{server_pid}\n")
 
 
 class UnloadDrain:
-    """A thread that drains the model's requests on unload, server stop, or request (`drain_file` appears).
+    """A thread that drains the model's requests on unload, server stop, or request (`drain_file`).
 
-    `in_flight()` counts the requests not yet answered with their FINAL; `end_all(message)` ends
-    every one of them with an error FINAL. Once draining has begun, `draining` stays True (the
-    model is going away: new requests are refused rather than let in to hold the unload up).
+    `in_flight()` counts the requests not yet answered with their FINAL; `close_intake(reason)`
+    makes every later request be refused (atomically with registering requests); `end_all(reason)`
+    ends every request in flight with an error FINAL. `is_ready` (None: readiness cannot be
+    watched) says whether Triton still serves the model. A drain request is a line holding this
+    instance's tritonserver pid in `drain_file`, written after the instance's process started.
     """
 
     def __init__(
         self,
         model_name: str,
-        is_ready: Callable[[], bool | None],
+        is_ready: Callable[[], bool | None] | None,
         in_flight: Callable[[], int],
+        close_intake: Callable[[str], None],
         end_all: Callable[[str], None],
         drain_seconds: float,
         poll_seconds: float = 0.25,
@@ -133,14 +157,17 @@ class UnloadDrain:
         self.drain_seconds = drain_seconds
         self._is_ready = is_ready
         self._in_flight = in_flight
+        self._close_intake = close_intake
         self._end_all = end_all
         self._poll = poll_seconds
         self._first_answer_poll = first_answer_poll_seconds
         self._drain_file = drain_file
-        self._created = time.time()
+        # A drain file written before this process started is a leftover (a restarted container
+        # keeps /tmp); mtimes have clock-tick resolution, hence the second of slack.
+        self._requests_after = (process_started_at(os.getpid()) or time.time()) - 1.0
+        self._server_pid = str(os.getppid())
         self._stopped = threading.Event()
         self.draining = False
-        self.reason = UNLOADING_MESSAGE  # why it drains, once it does
         self._thread = threading.Thread(target=self._run, name="vllm-unload-drain", daemon=True)
 
     def start(self) -> None:
@@ -151,49 +178,53 @@ class UnloadDrain:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(5.0)
 
+    def _waiting_for_first_answer(self) -> bool:
+        return self._is_ready is not None and not getattr(self._is_ready, "answered", True)
+
     def _run(self) -> None:
         # Readiness is asked while requests are in flight (an idle model's unload reaches finalize
-        # directly), and often until the first answer: a refused connection counts as "stopping"
-        # only once the endpoint has answered, and a SIGTERM can come right after the server opens
-        # its endpoints (a refused local connect costs microseconds).
-        answered = False
-        while not self._stopped.wait(self._poll if answered else self._first_answer_poll):
+        # directly), and often until the endpoint first answers: a refused connection counts as
+        # "stopping" only after that, and a SIGTERM can come right after the server opens its
+        # endpoints (a refused local connect costs microseconds).
+        while not self._stopped.wait(self._first_answer_poll if self._waiting_for_first_answer() else self._poll):
             if self._drain_requested():
-                self._drain(DRAIN_REQUESTED_MESSAGE)
-                self._mark_drained()
+                count = self._drain(DRAIN_REQUESTED_MESSAGE)
+                self._mark_drained(count)
                 return
-            busy = self._in_flight() > 0
-            if answered and not busy:
+            if self._is_ready is None:
                 continue
-            ready = self._is_ready()
-            answered = answered or ready is not None
-            if busy and ready is False:
+            busy = self._in_flight() > 0
+            if not busy and not self._waiting_for_first_answer():
+                continue
+            if self._is_ready() is False and busy:
                 self._drain(UNLOADING_MESSAGE)
                 return
 
     def _drain_requested(self) -> bool:
-        """The drain file exists and is not a leftover from before this instance (a restarted container)."""
         if self._drain_file is None:
             return False
         try:
-            return self._drain_file.stat().st_mtime >= self._created
+            if self._drain_file.stat().st_mtime < self._requests_after:
+                return False
+            return self._server_pid in self._drain_file.read_text().split()
         except OSError:
             return False
 
-    def _mark_drained(self) -> None:
-        """Tell whoever asked (launcher, `drain` command) once every FINAL has gone out."""
+    def _mark_drained(self, count: int) -> None:
+        """Tell whoever asked (launcher, `drain` command), once the requests are answered, how many there were."""
         deadline = time.monotonic() + 5.0
         while self._in_flight() and time.monotonic() < deadline and not self._stopped.wait(0.02):
             pass
         assert self._drain_file is not None
         try:
-            drained_marker(self._drain_file, os.getpid()).touch()
+            drained_marker(self._drain_file, os.getpid()).write_text(f"{count}\n")
         except OSError as error:
             logger.warning("vllm_multistep: model %s: cannot mark the drain done: %s", self.model_name, error)
 
-    def _drain(self, why: str) -> None:
-        self.reason = why
+    def _drain(self, why: str) -> int:
+        """Refuse new requests, give those in flight `drain_seconds`, end the rest; returns how many were in flight."""
         self.draining = True
+        self._close_intake(why)
         count = self._in_flight()
         logger.warning(
             "vllm_multistep: model %s: %s, with %d request(s) in flight: new requests are refused, these may finish "
@@ -206,7 +237,7 @@ class UnloadDrain:
         deadline = time.monotonic() + self.drain_seconds
         while self._in_flight() and time.monotonic() < deadline:
             if self._stopped.wait(0.05):
-                return
+                return count
         remaining = self._in_flight()
         if remaining:
             logger.warning(
@@ -218,6 +249,7 @@ class UnloadDrain:
             self._end_all(why)
         else:
             logger.info("vllm_multistep: model %s: every request in flight finished while draining", self.model_name)
+        return count
 
 
 def unload_drain_for(
@@ -226,21 +258,24 @@ def unload_drain_for(
     server: TritonCommand | None,
     configured_seconds: float | None,
     in_flight: Callable[[], int],
+    close_intake: Callable[[str], None],
     end_all: Callable[[str], None],
 ) -> UnloadDrain:
     """The drain of one model instance, reading readiness from `server`'s HTTP endpoint (if it has one)."""
     endpoint = server.http_endpoint if server else None
+    drain_file = os.environ.get(DRAIN_FILE_ENV)
     if endpoint is None:
         logger.warning(
             "vllm_multistep: model %s: tritonserver's HTTP endpoint is off or unknown, so an unload or server stop "
-            "is not noticed while requests are in flight: they are not drained",
+            "is not noticed while requests are in flight (%s)",
             model_name,
+            f"only a drain request through {drain_file} drains them" if drain_file else "they are not drained",
         )
-    drain_file = os.environ.get(DRAIN_FILE_ENV)
     return UnloadDrain(
         model_name,
-        http_readiness_probe(endpoint, model_name, model_version) if endpoint else lambda: None,
+        HttpReadiness(endpoint, model_name, model_version) if endpoint else None,
         in_flight,
+        close_intake,
         end_all,
         drain_seconds(configured_seconds, server.exit_timeout if server else None),
         drain_file=Path(drain_file) if drain_file else None,

@@ -22,7 +22,7 @@ from pathlib import Path
 from . import demo_models, triton_command
 from .device import gpu_count
 from .drain import DRAIN_FILE_ENV
-from .server_drain import drain_server
+from .server_drain import DrainResult, drain_server
 
 BACKEND_NAME = "vllm_multistep"
 SYSTEM_TRITON = Path("/opt/tritonserver")
@@ -170,15 +170,22 @@ def serve(server_args: Sequence[str], backend_dir: Path | None = None) -> int:
     command = build_command(install, backend_dir, server_args)
     print("[triton-vllm-multistep] " + " ".join(command), file=sys.stderr, flush=True)
     env = server_environment(install)
+    told = triton_command.parse(command)
+    exit_timeout = (
+        told.exit_timeout if told and told.exit_timeout is not None else triton_command.TRITON_DEFAULT_EXIT_TIMEOUT
+    )
+    # A drain file of the server's own unless the user named one (e.g. for `triton-vllm-multistep drain`).
     own_drain_dir = None if env.get(DRAIN_FILE_ENV) else Path(tempfile.mkdtemp(prefix="triton-vllm-multistep-"))
     if own_drain_dir is not None:
         env[DRAIN_FILE_ENV] = str(own_drain_dir / "drain")
-    told = triton_command.parse(command)
-    exit_timeout = told.exit_timeout if told and told.exit_timeout is not None else None
-    exit_timeout = triton_command.TRITON_DEFAULT_EXIT_TIMEOUT if exit_timeout is None else exit_timeout
-    # Own process group: a signal to the launcher reaches Triton once, via us, and Triton
-    # shuts its stubs (and their vLLM workers) down itself.
-    process = subprocess.Popen(command, env=env, start_new_session=True)
+    try:
+        # Own process group: a signal to the launcher reaches Triton once, via us, and Triton
+        # shuts its stubs (and their vLLM workers) down itself.
+        process = subprocess.Popen(command, env=env, start_new_session=True)
+    except BaseException:
+        if own_drain_dir is not None:
+            shutil.rmtree(own_drain_dir, ignore_errors=True)
+        raise
     stops: list[int] = []  # SIGINT/SIGTERM received; the first drains, a second stops at once
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -220,7 +227,19 @@ def serve(server_args: Sequence[str], backend_dir: Path | None = None) -> int:
 
 def _drain_then_stop(process: subprocess.Popen, drain_file: Path, exit_timeout: float, stops: list[int]) -> None:
     """Let the LLM models finish or end their streams while Triton still runs ensembles, then signal it."""
-    result = drain_server(process.pid, drain_file, BACKEND_NAME, timeout=exit_timeout, give_up=lambda: len(stops) > 1)
+    try:
+        result = drain_server(
+            process.pid, drain_file, BACKEND_NAME, timeout=exit_timeout, give_up=lambda: len(stops) > 1
+        )
+    except Exception as error:  # the stop must go on: Triton then drains what it can itself
+        print(f"[triton-vllm-multistep] could not drain the models first: {error}", file=sys.stderr, flush=True)
+    else:
+        _report_drain(result)
+    if process.poll() is None and len(stops) == 1:
+        process.send_signal(stops[0])
+
+
+def _report_drain(result: DrainResult) -> None:
     if result.stubs:
         state = f"{len(result.busy)} still busy" if result.busy else "all drained"
         print(
@@ -229,8 +248,6 @@ def _drain_then_stop(process: subprocess.Popen, drain_file: Path, exit_timeout: 
             file=sys.stderr,
             flush=True,
         )
-    if process.poll() is None and len(stops) == 1:
-        process.send_signal(stops[0])
 
 
 def _reap_group(pgid: int) -> None:

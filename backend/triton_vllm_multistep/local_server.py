@@ -7,6 +7,7 @@ models do. Needs psutil and requests (test extra).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -130,13 +131,20 @@ class ServerProcess:
                 groups["tritonserver"].append(proc)
         return groups
 
-    def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM the launcher (which forwards it); returns its exit code."""
+    def stop(self, timeout: float = 120.0) -> int:
+        """SIGTERM the launcher (it drains the models, then stops tritonserver); returns its exit code.
+
+        Past `timeout` the launcher and everything it started are killed (tritonserver runs in a
+        session of its own, so killing the launcher alone would leave it running).
+        """
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
+                for child in self.descendants():
+                    with contextlib.suppress(Exception):
+                        child.kill()
                 self.process.kill()
                 self.process.wait(10)
         return self.process.returncode

@@ -57,6 +57,7 @@ class Responder:
         # Decodes detokenization windows (ensembles); a tokenizer of this thread's own.
         self.window_decode: Callable[[Sequence[int], int], str] | None = None
         self._states: dict[str, RequestState] = {}
+        self.intake_closed: str | None = None  # why new requests are refused, once they are
         self._lock = threading.Lock()
         self._events: queue.SimpleQueue[EngineEvent | EndRequests | None] = queue.SimpleQueue()
         self._final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -84,9 +85,18 @@ class Responder:
         """
         self._events.put(EndRequests(message))
 
-    def register(self, request_id: str, state: RequestState) -> None:
+    def register(self, request_id: str, state: RequestState) -> bool:
+        """Take a request in; False (not taken) once intake is closed."""
         with self._lock:
+            if self.intake_closed is not None:
+                return False
             self._states[request_id] = state
+        return True
+
+    def close_intake(self, reason: str) -> None:
+        """Refuse every later `register` (draining): atomic with it, so no request slips in after the count."""
+        with self._lock:
+            self.intake_closed = reason
 
     def in_flight(self) -> int:
         return len(self._states)

@@ -8,13 +8,12 @@ The model side is drain.UnloadDrain.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .drain import DRAIN_FILE_ENV, drained_marker
+from .drain import DRAIN_FILE_ENV, drained_marker, process_started_at, request_drain
 
 PROC = Path("/proc")
 # After the last LLM FINAL, an ensemble still runs its postprocessing step on it: give it this
@@ -40,34 +39,28 @@ def _cmdline(pid: int) -> list[str]:
 def _parent(pid: int) -> int | None:
     try:
         stat = (PROC / str(pid) / "stat").read_text()
-    except OSError:
+        return int(stat.rsplit(")", 1)[1].split()[1])  # fields after "(comm)": state, ppid, ...
+    except (OSError, ValueError, IndexError):
         return None
-    return int(stat.rsplit(")", 1)[1].split()[1])  # fields after "(comm)": state, ppid, ...
 
 
 def _pids() -> list[int]:
     return [int(entry.name) for entry in PROC.iterdir() if entry.name.isdigit()]
 
 
-def _started_at(pid: int) -> float | None:
-    """When process `pid` started (epoch seconds), from /proc (boot time + start ticks)."""
+def _drained(drain_file: Path, pid: int) -> int | None:
+    """How many requests the instance in stub `pid` had when it drained, once it has marked it done.
+
+    A marker older than the stub is a leftover (PIDs repeat in containers).
+    """
+    marker = drained_marker(drain_file, pid)
     try:
-        ticks = int((PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[19])
-        lines = (PROC / "stat").read_text().splitlines()
-        boot = next(int(line.split()[1]) for line in lines if line.startswith("btime "))
-    except (OSError, ValueError, IndexError, StopIteration):
+        written = marker.stat().st_mtime
+        count = int(marker.read_text().strip() or 0)
+    except (OSError, ValueError):
         return None
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
-
-
-def _drained(drain_file: Path, pid: int) -> bool:
-    """The instance in stub `pid` marked its drain done (a marker older than the stub is a leftover)."""
-    try:
-        written = drained_marker(drain_file, pid).stat().st_mtime
-    except OSError:
-        return False
-    started = _started_at(pid)
-    return started is None or written >= started - 1.0  # start time has tick resolution
+    started = process_started_at(pid)
+    return count if started is None or written >= started - 1.0 else None  # start time: tick resolution
 
 
 def _alive(pid: int) -> bool:
@@ -94,7 +87,8 @@ def tritonserver_pids(drain_file: Path) -> list[int]:
         for pid in _pids()
         if (argv := _cmdline(pid))
         and Path(argv[0]).name == "tritonserver"
-        and _environment(pid).get(DRAIN_FILE_ENV) == str(drain_file)
+        and (value := _environment(pid).get(DRAIN_FILE_ENV))
+        and Path(value) == drain_file
     ]
 
 
@@ -118,20 +112,19 @@ def drain_server(
     give_up: Callable[[], bool] = lambda: False,
     settle: float = SETTLE_SECONDS,
 ) -> DrainResult:
-    """Create `drain_file` and wait (up to `timeout` s) until each of the server's instances has drained."""
+    """Ask the server's instances to drain and wait (up to `timeout` s) until each has (or is gone)."""
     started = time.monotonic()
     stubs = backend_stub_pids(server_pid, backend_name)
     if not stubs:
         return DrainResult([], [], 0.0)
-    drain_file.parent.mkdir(parents=True, exist_ok=True)
-    drain_file.touch()
+    request_drain(drain_file, server_pid)
     deadline = started + timeout
 
     def busy() -> list[int]:
-        return [pid for pid in stubs if _alive(pid) and not _drained(drain_file, pid)]
+        return [pid for pid in stubs if _alive(pid) and _drained(drain_file, pid) is None]
 
     while (waiting := busy()) and time.monotonic() < deadline and _alive(server_pid) and not give_up():
         time.sleep(0.05)
-    if not waiting:
-        time.sleep(settle)
+    if not waiting and any(_drained(drain_file, pid) for pid in stubs):
+        time.sleep(settle)  # some instance had streams: let ensembles postprocess their last responses
     return DrainResult(stubs, waiting, time.monotonic() - started)

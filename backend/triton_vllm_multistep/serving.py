@@ -94,6 +94,8 @@ class ModelServer:
                 args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0)), parallel
             )
         )
+        # The stub is a child of tritonserver: its command line says how it runs.
+        self._server_command = triton_command.of_process(os.getppid())
         torch_threads = serving_torch_threads()
         self.loop = EngineLoop(
             lambda: build_engine(engine_args, stream_per_step=self.settings.stream_per_step), torch_threads
@@ -129,14 +131,13 @@ class ModelServer:
                 time_steps=self.metrics is not None,
                 on_death=self._on_engine_death,
             )
-            # The stub is a child of tritonserver: its command line says how it runs.
-            self._server_command = triton_command.of_process(os.getppid())
             self.drain = drain.unload_drain_for(
                 self.model_name,
                 str(args.get("model_version", "1")),
                 self._server_command,
                 self.settings.unload_drain_seconds,
                 in_flight=self.responder.in_flight,
+                close_intake=self.responder.close_intake,
                 end_all=self.responder.end_all,
             )
             self.drain.start()
@@ -180,10 +181,8 @@ class ModelServer:
 
         for request in requests:
             sender = request.get_response_sender()
-            if self.drain.draining:
-                self.responder.send_error(
-                    sender, f"{self.drain.reason}: not taking new requests", self._pb.TritonError.UNAVAILABLE
-                )
+            if self.responder.intake_closed is not None:
+                self._refuse(sender)
                 continue
             if not self.loop.healthy:
                 self.responder.send_error(
@@ -212,7 +211,9 @@ class ModelServer:
                 from .metrics import RequestTiming
 
                 timing = RequestTiming(time.time(), len(generation.prompt_token_ids), generation.stream)
-            self.responder.register(engine_id, RequestState(sender=sender, request=generation, timing=timing))
+            if not self.responder.register(engine_id, RequestState(sender=sender, request=generation, timing=timing)):
+                self._refuse(sender)  # draining began since the check above
+                continue
             self.loop.submit(engine_id, generation.prompt_token_ids, generation.sampling_params)
             if not self.loop.healthy:
                 # The engine died between the check above and the submit: nobody else will
@@ -220,6 +221,10 @@ class ModelServer:
                 self.responder.fail(
                     engine_id, self.loop.error or "the engine is not running", self._pb.TritonError.UNAVAILABLE
                 )
+
+    def _refuse(self, sender: Any) -> None:
+        reason = self.responder.intake_closed
+        self.responder.send_error(sender, f"{reason}: not taking new requests", self._pb.TritonError.UNAVAILABLE)
 
     def _on_engine_death(self, message: str) -> None:
         """Engine thread, once: report it, then take the model out of service if Triton lets us."""
@@ -244,8 +249,9 @@ class ModelServer:
             time.sleep(0.05)
         mode = self._server_command.model_control_mode if self._server_command else None
         try:
-            # Triton refuses unloads outside explicit model control; a refused call takes the 2.51
-            # Python backend's error path, which is not safe (see drain.py), so it is not made.
+            # Triton refuses unloads outside explicit model control; a refused model-loader call takes
+            # the 2.51 Python backend's error path for stub requests, the path that broke
+            # is_model_ready during a server stop (see drain.py), so it is not made.
             if mode not in (None, "explicit"):
                 raise RuntimeError(f"the server runs with --model-control-mode={mode}")
             self._pb.unload_model(self.model_name)
