@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import pytest
 
-from triton_vllm_multistep import config, drain, server_drain, triton_command
+from triton_vllm_multistep import config, drain, procfs, server_drain, triton_command
 from triton_vllm_multistep.triton_command import TritonCommand
 
 
@@ -269,7 +269,7 @@ def test_a_drain_request_for_this_server_drains_even_a_ready_model_and_marks_it_
 def test_a_drain_request_from_before_the_process_started_is_ignored(tmp_path) -> None:
     drain_file = tmp_path / "drain"
     drain.request_drain(drain_file, os.getppid())
-    started = drain.process_started_at(os.getpid())
+    started = procfs.started_at(os.getpid())
     assert started is not None and started <= time.time()
     os.utime(drain_file, (started - 60, started - 60))  # e.g. left by a restarted container
     model = Model(in_flight=1, ready=True)
@@ -289,6 +289,6 @@ def test_a_drained_marker_older_than_its_process_is_a_leftover(tmp_path) -> None
     assert server_drain._drained(drain_file, os.getpid()) is None
     marker.write_text("3\n")
     assert server_drain._drained(drain_file, os.getpid()) == 3
-    started = drain.process_started_at(os.getpid())
+    started = procfs.started_at(os.getpid())
     os.utime(marker, (started - 60, started - 60))
     assert server_drain._drained(drain_file, os.getpid()) is None

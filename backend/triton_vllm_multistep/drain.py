@@ -28,6 +28,7 @@ import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
+from . import procfs
 from .triton_command import TRITON_DEFAULT_EXIT_TIMEOUT, TritonCommand
 
 logger = logging.getLogger("triton_vllm_multistep")
@@ -113,17 +114,6 @@ class HttpReadiness:
         return None
 
 
-def process_started_at(pid: int) -> float | None:
-    """When process `pid` started (epoch seconds, clock-tick resolution), from /proc."""
-    try:
-        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        lines = Path("/proc/stat").read_text().splitlines()
-        boot = next(int(line.split()[1]) for line in lines if line.startswith("btime "))
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
-
-
 def request_drain(drain_file: Path, server_pid: int) -> None:
     """Ask the instances of tritonserver `server_pid` that watch `drain_file` to drain."""
     drain_file.parent.mkdir(parents=True, exist_ok=True)
@@ -164,7 +154,7 @@ class UnloadDrain:
         self._drain_file = drain_file
         # A drain file written before this process started is a leftover (a restarted container
         # keeps /tmp); mtimes have clock-tick resolution, hence the second of slack.
-        self._requests_after = (process_started_at(os.getpid()) or time.time()) - 1.0
+        self._requests_after = (procfs.started_at(os.getpid()) or time.time()) - 1.0
         self._server_pid = str(os.getppid())
         self._stopped = threading.Event()
         self.draining = False

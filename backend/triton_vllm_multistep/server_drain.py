@@ -1,6 +1,6 @@
 """Asking a running tritonserver's vllm_multistep model instances to drain before the server is stopped.
 
-Owns finding the server's processes and this backend's stubs (/proc), creating the drain file
+Owns finding the server's processes and this backend's stubs (procfs), creating the drain file
 and waiting for every instance's "drained" marker; must not signal or stop the server. Used by
 the launcher on SIGTERM and by `triton-vllm-multistep drain` (e.g. a Kubernetes preStop hook).
 The model side is drain.UnloadDrain.
@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .drain import DRAIN_FILE_ENV, drained_marker, process_started_at, request_drain
+from . import procfs, triton_command
+from .drain import DRAIN_FILE_ENV, drained_marker, request_drain
 
-PROC = Path("/proc")
 # After the last LLM FINAL, an ensemble still runs its postprocessing step on it: give it this
 # long before the server is told to stop (it then refuses new composing-model requests).
 SETTLE_SECONDS = 1.0
@@ -26,26 +26,6 @@ class DrainResult:
     stubs: list[int]  # this backend's stub processes found in the server
     busy: list[int]  # those that had not marked the drain done (and still ran) when waiting ended
     seconds: float
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        raw = (PROC / str(pid) / "cmdline").read_bytes()
-    except OSError:
-        return []
-    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        stat = (PROC / str(pid) / "stat").read_text()
-        return int(stat.rsplit(")", 1)[1].split()[1])  # fields after "(comm)": state, ppid, ...
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _pids() -> list[int]:
-    return [int(entry.name) for entry in PROC.iterdir() if entry.name.isdigit()]
 
 
 def _drained(drain_file: Path, pid: int) -> int | None:
@@ -59,35 +39,17 @@ def _drained(drain_file: Path, pid: int) -> int | None:
         count = int(marker.read_text().strip() or 0)
     except (OSError, ValueError):
         return None
-    started = process_started_at(pid)
+    started = procfs.started_at(pid)
     return count if started is None or written >= started - 1.0 else None  # start time: tick resolution
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
-def _environment(pid: int) -> dict[str, str]:
-    try:
-        raw = (PROC / str(pid) / "environ").read_bytes()
-    except OSError:
-        return {}
-    pairs = (part.decode(errors="replace").partition("=") for part in raw.split(b"\0") if part)
-    return {name: value for name, _, value in pairs}
 
 
 def tritonserver_pids(drain_file: Path) -> list[int]:
     """The running tritonserver processes whose models watch `drain_file` (from their environment)."""
     return [
         pid
-        for pid in _pids()
-        if (argv := _cmdline(pid))
-        and Path(argv[0]).name == "tritonserver"
-        and (value := _environment(pid).get(DRAIN_FILE_ENV))
+        for pid in procfs.pids()
+        if triton_command.of_process(pid) is not None
+        and (value := procfs.environment(pid).get(DRAIN_FILE_ENV))
         and Path(value) == drain_file
     ]
 
@@ -95,10 +57,10 @@ def tritonserver_pids(drain_file: Path) -> list[int]:
 def backend_stub_pids(server_pid: int, backend_name: str) -> list[int]:
     """The server's Python-backend stubs that run `backend_name` models (its folder is their last argument)."""
     stubs = []
-    for pid in _pids():
-        if _parent(pid) != server_pid:
+    for pid in procfs.pids():
+        if procfs.parent(pid) != server_pid:
             continue
-        argv = _cmdline(pid)
+        argv = procfs.cmdline(pid)
         if argv and "triton_python_backend_stub" in Path(argv[0]).name and argv[-1].endswith(f"/{backend_name}"):
             stubs.append(pid)
     return stubs
@@ -121,9 +83,9 @@ def drain_server(
     deadline = started + timeout
 
     def busy() -> list[int]:
-        return [pid for pid in stubs if _alive(pid) and _drained(drain_file, pid) is None]
+        return [pid for pid in stubs if procfs.alive(pid) and _drained(drain_file, pid) is None]
 
-    while (waiting := busy()) and time.monotonic() < deadline and _alive(server_pid) and not give_up():
+    while (waiting := busy()) and time.monotonic() < deadline and procfs.alive(server_pid) and not give_up():
         time.sleep(0.05)
     if not waiting and any(_drained(drain_file, pid) for pid in stubs):
         time.sleep(settle)  # some instance had streams: let ensembles postprocess their last responses

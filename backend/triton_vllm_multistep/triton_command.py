@@ -1,7 +1,7 @@
 """What the running tritonserver was told on its command line: exit timeout, HTTP endpoint, model control.
 
 Owns parsing a tritonserver argv (getopt_long style: `--name=value` or `--name value`, the last
-one wins) and reading the server's argv from /proc; must not start or talk to the server.
+one wins) and reading the server's argv (procfs); must not start or talk to the server.
 A model instance's stub process is a child of tritonserver, so the stub reads its parent's.
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from . import procfs
 
 TRITON_DEFAULT_EXIT_TIMEOUT = 30.0
 TRITON_DEFAULT_HTTP_PORT = 8000
@@ -65,8 +67,4 @@ def parse(argv: Sequence[str]) -> TritonCommand | None:
 
 def of_process(pid: int) -> TritonCommand | None:
     """The settings of tritonserver process `pid`; None if it is not tritonserver (or is gone)."""
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
-    return parse([part.decode(errors="replace") for part in raw.split(b"\0") if part])
+    return parse(procfs.cmdline(pid))

@@ -1,0 +1,66 @@
+"""Reading other processes from Linux's /proc: command line, environment, parent, state, start time.
+
+Owns the file formats only; every reader returns an empty/None answer for a process that is gone
+or unreadable, and knows nothing about Triton.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+def _nul_separated(pid: int, name: str) -> list[str]:
+    try:
+        raw = (PROC / str(pid) / name).read_bytes()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def cmdline(pid: int) -> list[str]:
+    return _nul_separated(pid, "cmdline")
+
+
+def environment(pid: int) -> dict[str, str]:
+    pairs = (entry.partition("=") for entry in _nul_separated(pid, "environ"))
+    return {name: value for name, _, value in pairs}
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat from field 3 (state) on: what follows "(comm)", which may hold spaces and ")"."""
+    try:
+        return (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def parent(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    try:
+        return int(fields[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Running (neither gone nor a zombie)."""
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] not in ("Z", "X")
+
+
+def started_at(pid: int) -> float | None:
+    """When process `pid` started (epoch seconds, clock-tick resolution)."""
+    try:
+        ticks = int(_stat_fields(pid)[19])
+        lines = (PROC / "stat").read_text().splitlines()
+        boot = next(int(line.split()[1]) for line in lines if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def pids() -> list[int]:
+    return [int(entry.name) for entry in PROC.iterdir() if entry.name.isdigit()]
