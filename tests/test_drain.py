@@ -54,7 +54,7 @@ def test_command_line_of_a_process() -> None:
 
 def test_drain_seconds_leave_a_margin_of_the_exit_timeout() -> None:
     assert drain.drain_seconds(None, 30.0) == 25.0
-    assert drain.drain_seconds(None, None) == 25.0  # Triton's default exit timeout
+    assert drain.drain_seconds(None, triton_command.exit_timeout_of(None)) == 25.0  # Triton's default exit timeout
     assert drain.drain_seconds(None, 3.0) == 0.0
     assert drain.drain_seconds(2.5, 30.0) == 2.5  # configured wins
 
@@ -292,3 +292,9 @@ def test_a_drained_marker_older_than_its_process_is_a_leftover(tmp_path) -> None
     started = procfs.started_at(os.getpid())
     os.utime(marker, (started - 60, started - 60))
     assert server_drain._drained(drain_file, os.getpid()) is None
+
+
+def test_exit_timeout_of_falls_back_to_tritons_default() -> None:
+    assert triton_command.exit_timeout_of(None) == 30.0
+    assert triton_command.exit_timeout_of(TritonCommand(None, None, "none")) == 30.0  # not a number
+    assert triton_command.exit_timeout_of(TritonCommand(12.0, None, "none")) == 12.0

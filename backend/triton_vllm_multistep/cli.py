@@ -40,8 +40,7 @@ def _drain(args: argparse.Namespace, rest: list[str]) -> int:
     for pid in servers:
         timeout = args.timeout
         if timeout is None:  # the server's own exit timeout: the drain itself fits in it
-            told = triton_command.of_process(pid)
-            timeout = told.exit_timeout if told and told.exit_timeout is not None else 30.0
+            timeout = triton_command.exit_timeout_of(triton_command.of_process(pid))
         result = server_drain.drain_server(pid, Path(drain_file), launcher.BACKEND_NAME, timeout=timeout)
         busy += len(result.busy)
         print(

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import procfs
-from .triton_command import TRITON_DEFAULT_EXIT_TIMEOUT, TritonCommand
+from .triton_command import TritonCommand, exit_timeout_of
 
 logger = logging.getLogger("triton_vllm_multistep")
 
@@ -51,12 +51,11 @@ def drained_marker(drain_file: Path, stub_pid: int) -> Path:
     return drain_file.with_name(f"{drain_file.name}.drained.{stub_pid}")
 
 
-def drain_seconds(configured: float | None, exit_timeout: float | None) -> float:
+def drain_seconds(configured: float | None, exit_timeout: float) -> float:
     """How long requests in flight may run on after the unload began."""
     if configured is not None:
         return configured
-    timeout = TRITON_DEFAULT_EXIT_TIMEOUT if exit_timeout is None else exit_timeout
-    return max(0.0, timeout - DRAIN_MARGIN_SECONDS)
+    return max(0.0, exit_timeout - DRAIN_MARGIN_SECONDS)
 
 
 class HttpReadiness:
@@ -267,6 +266,6 @@ def unload_drain_for(
         in_flight,
         close_intake,
         end_all,
-        drain_seconds(configured_seconds, server.exit_timeout if server else None),
+        drain_seconds(configured_seconds, exit_timeout_of(server)),
         drain_file=Path(drain_file) if drain_file else None,
     )

@@ -170,10 +170,7 @@ def serve(server_args: Sequence[str], backend_dir: Path | None = None) -> int:
     command = build_command(install, backend_dir, server_args)
     print("[triton-vllm-multistep] " + " ".join(command), file=sys.stderr, flush=True)
     env = server_environment(install)
-    told = triton_command.parse(command)
-    exit_timeout = (
-        told.exit_timeout if told and told.exit_timeout is not None else triton_command.TRITON_DEFAULT_EXIT_TIMEOUT
-    )
+    exit_timeout = triton_command.exit_timeout_of(triton_command.parse(command))
     # A drain file of the server's own unless the user named one (e.g. for `triton-vllm-multistep drain`).
     own_drain_dir = None if env.get(DRAIN_FILE_ENV) else Path(tempfile.mkdtemp(prefix="triton-vllm-multistep-"))
     if own_drain_dir is not None:

@@ -65,6 +65,13 @@ def parse(argv: Sequence[str]) -> TritonCommand | None:
     )
 
 
+def exit_timeout_of(command: TritonCommand | None) -> float:
+    """The server's exit timeout; Triton's default when its command line does not say (or is unknown)."""
+    if command is None or command.exit_timeout is None:
+        return TRITON_DEFAULT_EXIT_TIMEOUT
+    return command.exit_timeout
+
+
 def of_process(pid: int) -> TritonCommand | None:
     """The settings of tritonserver process `pid`; None if it is not tritonserver (or is gone)."""
     return parse(procfs.cmdline(pid))
