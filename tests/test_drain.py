@@ -150,15 +150,15 @@ def test_requests_still_in_flight_at_the_deadline_are_ended_once() -> None:
     watcher = model.watch(drain_seconds=0.2)
     try:
         time.sleep(0.05)
-        assert not watcher.draining and not model.ended  # ready: nothing happens
+        assert model.intake_closed is None and not model.ended  # ready: nothing happens
         model.ready = False
-        assert _until(lambda: watcher.draining)
+        assert _until(lambda: model.intake_closed is not None)
         started = time.monotonic()
         assert _until(lambda: bool(model.ended))
         assert time.monotonic() - started >= 0.15  # they had the drain time first
         assert model.ended == [drain.UNLOADING_MESSAGE]
         time.sleep(0.1)
-        assert model.ended == [drain.UNLOADING_MESSAGE] and watcher.draining
+        assert model.ended == [drain.UNLOADING_MESSAGE] and model.intake_closed == drain.UNLOADING_MESSAGE
     finally:
         watcher.stop()
 
@@ -167,7 +167,7 @@ def test_requests_that_finish_within_the_drain_are_not_ended() -> None:
     model = Model(in_flight=2, ready=False)
     watcher = model.watch(drain_seconds=5.0)
     try:
-        assert _until(lambda: watcher.draining)
+        assert _until(lambda: model.intake_closed is not None)
         with model.lock:
             model.requests = 0  # they got their FINALs
         watcher._thread.join(2.0)
@@ -186,11 +186,11 @@ def test_readiness_is_asked_while_idle_only_until_it_answers_and_unknown_is_not_
         time.sleep(0.1)
         probes = model.probes
         time.sleep(0.1)
-        assert model.probes == probes and not watcher.draining  # an idle unload goes straight to finalize
+        assert model.probes == probes and model.intake_closed is None  # an idle unload goes straight to finalize
         model.ready, model.requests = None, 1  # busy, and Triton could not say
         assert _until(lambda: model.probes > probes)
         time.sleep(0.05)
-        assert not watcher.draining and model.ended == []
+        assert model.intake_closed is None and model.ended == []
     finally:
         watcher.stop()
     assert not watcher._thread.is_alive()
@@ -255,11 +255,11 @@ def test_a_drain_request_for_this_server_drains_even_a_ready_model_and_marks_it_
     try:
         drain.request_drain(drain_file, os.getppid() + 1)  # another server's request
         time.sleep(0.1)
-        assert not watcher.draining
+        assert model.intake_closed is None
         drain.request_drain(drain_file, os.getppid())  # this instance's server (its parent process)
         marker = drain.drained_marker(drain_file, os.getpid())
         assert _until(marker.exists)
-        assert watcher.draining and model.intake_closed == drain.DRAIN_REQUESTED_MESSAGE
+        assert model.intake_closed == drain.DRAIN_REQUESTED_MESSAGE
         assert model.ended == [drain.DRAIN_REQUESTED_MESSAGE] and model.in_flight() == 0
         assert server_drain._drained(drain_file, os.getpid()) == 2  # requests it had when asked
     finally:
@@ -276,9 +276,9 @@ def test_a_drain_request_from_before_the_process_started_is_ignored(tmp_path) ->
     watcher = model.watch(0.0, drain_file=drain_file)
     try:
         time.sleep(0.1)
-        assert not watcher.draining
+        assert model.intake_closed is None
         drain.request_drain(drain_file, os.getppid())  # a drain request now
-        assert _until(lambda: watcher.draining)
+        assert _until(lambda: model.intake_closed is not None)
     finally:
         watcher.stop()
 

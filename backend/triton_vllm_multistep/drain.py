@@ -156,7 +156,6 @@ class UnloadDrain:
         self._requests_after = (procfs.started_at(os.getpid()) or time.time()) - 1.0
         self._server_pid = str(os.getppid())
         self._stopped = threading.Event()
-        self.draining = False
         self._thread = threading.Thread(target=self._run, name="vllm-unload-drain", daemon=True)
 
     def start(self) -> None:
@@ -212,7 +211,6 @@ class UnloadDrain:
 
     def _drain(self, why: str) -> int:
         """Refuse new requests, give those in flight `drain_seconds`, end the rest; returns how many were in flight."""
-        self.draining = True
         self._close_intake(why)
         count = self._in_flight()
         logger.warning(

@@ -151,12 +151,10 @@ class Responder:
             self._send_outputs(event)
         elif isinstance(event, RequestFailed):
             self.fail(event.request_id, event.message, self._pb.TritonError.INVALID_ARG)
-        elif isinstance(event, EngineDied):
+        elif isinstance(event, EngineDied | EndRequests):
             for request_id in self.request_ids():
-                self.fail(request_id, event.message, self._pb.TritonError.UNAVAILABLE)
-        elif isinstance(event, EndRequests):
-            for request_id in self.request_ids():
-                self._abort(request_id)
+                if isinstance(event, EndRequests):
+                    self._abort(request_id)  # the engine still runs it (a dead one runs nothing)
                 self.fail(request_id, event.message, self._pb.TritonError.UNAVAILABLE)
 
     def _send_outputs(self, event: StepOutputs) -> None:
