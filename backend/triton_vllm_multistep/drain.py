@@ -198,11 +198,17 @@ class UnloadDrain:
         except OSError:
             return False
 
+    def _wait_idle(self, seconds: float, interval: float) -> bool:
+        """Until no request is in flight or `seconds` pass; False if the drain was stopped meanwhile."""
+        deadline = time.monotonic() + seconds
+        while self._in_flight() and time.monotonic() < deadline:
+            if self._stopped.wait(interval):
+                return False
+        return True
+
     def _mark_drained(self, count: int) -> None:
         """Tell whoever asked (launcher, `drain` command), once the requests are answered, how many there were."""
-        deadline = time.monotonic() + 5.0
-        while self._in_flight() and time.monotonic() < deadline and not self._stopped.wait(0.02):
-            pass
+        self._wait_idle(5.0, interval=0.02)
         assert self._drain_file is not None
         try:
             drained_marker(self._drain_file, os.getpid()).write_text(f"{count}\n")
@@ -221,10 +227,8 @@ class UnloadDrain:
             count,
             self.drain_seconds,
         )
-        deadline = time.monotonic() + self.drain_seconds
-        while self._in_flight() and time.monotonic() < deadline:
-            if self._stopped.wait(0.05):
-                return count
+        if not self._wait_idle(self.drain_seconds, interval=0.05):
+            return count
         remaining = self._in_flight()
         if remaining:
             logger.warning(
