@@ -239,7 +239,7 @@ def test_sigterm_to_tritonserver_drains_then_ends_every_stream_and_leaves_no_pro
     try:
         server.wait_ready(timeout=600)
         processes = server.descendants()
-        tritonserver = next(p for p in processes if p.name() == "tritonserver")
+        (tritonserver,) = server.process_groups()["tritonserver"]
         assert stub_processes(server)
         finishing = Streams(server, 4, MEDIUM, timeout=EXIT_TIMEOUT + 60)
         cut = Streams(server, 4, ENDLESS, timeout=EXIT_TIMEOUT + 60)

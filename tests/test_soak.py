@@ -79,7 +79,7 @@ def check(outcomes: list) -> dict[str, int]:
 def rss_mb(server) -> float:
     processes = [p for p in stub_processes(server) if f"/{LLM_MODEL}/" in " ".join(p.cmdline()[1:2])]
     assert len(processes) == 1, processes
-    processes += [p for p in server.descendants() if p.name() == "tritonserver"]
+    processes += server.process_groups()["tritonserver"]
     total = 0
     for process in processes:
         try:
