@@ -26,6 +26,8 @@ CANCEL_SWEEP_SECONDS = 0.05
 # CANCEL_CHECKS_PER_SWEEP of them (longest unchecked first).
 CANCEL_CHECK_SECONDS = 0.1
 CANCEL_CHECKS_PER_SWEEP = 4
+# Ending requests on a drain: between aborting them and sending their errors (see _handle).
+ENSEMBLE_CATCH_UP_SECONDS = 0.2
 _NOTHING = object()  # queue wait timed out: time to sweep for cancellations
 
 
@@ -152,9 +154,16 @@ class Responder:
         elif isinstance(event, RequestFailed):
             self.fail(event.request_id, event.message, self._pb.TritonError.INVALID_ARG)
         elif isinstance(event, EngineDied | EndRequests):
-            for request_id in self.request_ids():
-                if isinstance(event, EndRequests):
+            request_ids = self.request_ids()
+            if isinstance(event, EndRequests):
+                for request_id in request_ids:
                     self._abort(request_id)  # the engine still runs it (a dead one runs nothing)
+                # An ensemble that gets the LLM's error while it still postprocesses an earlier
+                # response of the same request never finishes in Triton 2.51 (seen: one ensemble
+                # request left in flight after a drain, holding the server's stop until its exit
+                # timeout): stop the data first, let the ensembles catch up, then send the errors.
+                time.sleep(ENSEMBLE_CATCH_UP_SECONDS)
+            for request_id in request_ids:
                 self.fail(request_id, event.message, self._pb.TritonError.UNAVAILABLE)
 
     def _send_outputs(self, event: StepOutputs) -> None:
