@@ -22,9 +22,9 @@ import torch
 from vllm import EngineArgs, SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
-from triton_vllm_multistep import demo_models
-from triton_vllm_multistep.engine_factory import build_engine
-from triton_vllm_multistep.step_timing import PHASES, StepTimer, attach, forward_only_ceiling
+from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.engine.factory import build_engine
+from triton_vllm_multistep.testing.step_timing import PHASES, StepTimer, attach, forward_only_ceiling
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu_multistep.json"
 PROMPTS = (

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from triton_vllm_multistep import local_server
-from triton_vllm_multistep.local_server import ServerProcess
+from triton_vllm_multistep.testing import local_server
+from triton_vllm_multistep.testing.local_server import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -121,9 +121,9 @@ def offline_engine_process(steps: int, max_tokens: int) -> None:
     from vllm import LLM, SamplingParams
     from vllm.utils import Counter
 
-    from triton_vllm_multistep import config as backend_config
-    from triton_vllm_multistep.engine_factory import build_engine
-    from triton_vllm_multistep.step_timing import forward_only_ceiling
+    from triton_vllm_multistep.engine.factory import build_engine
+    from triton_vllm_multistep.stub import config as backend_config
+    from triton_vllm_multistep.testing.step_timing import forward_only_ceiling
 
     # All cores and all cores but one (what the served engine uses), unless the user chose a count.
     # Read before the build: vLLM's CPU platform sets OMP_NUM_THREADS while building.
@@ -731,7 +731,7 @@ def main() -> None:
     if args.quick:
         args.concurrency = [1, 32]
         args.wave_scale = 0.5
-    from triton_vllm_multistep import demo_models
+    from triton_vllm_multistep.demo import models as demo_models
 
     demo_models.build("tiny-llama-bpe")
     started = time.monotonic()

@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/ruff check .
+.venv/bin/lint-imports
 exec .venv/bin/python -m pytest "$@"

@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from triton_vllm_multistep.host.cli import main
 
 sys.exit(main())

@@ -1,7 +1,7 @@
-"""Ensemble preprocessing: the logic is triton_vllm_multistep.tokenizer_models.Preprocessor."""
+"""Ensemble preprocessing: the logic is triton_vllm_multistep.stub.tokenizer_stages.Preprocessor."""
 
 import triton_python_backend_utils as pb_utils
 
-from triton_vllm_multistep import tokenizer_models
+from triton_vllm_multistep.stub import tokenizer_stages
 
-TritonPythonModel = tokenizer_models.python_model(pb_utils, tokenizer_models.Preprocessor)
+TritonPythonModel = tokenizer_stages.python_model(pb_utils, tokenizer_stages.Preprocessor)

@@ -1,0 +1,2 @@
+"""Demo models built locally, deterministically, with no model hub.
+"""

@@ -1,0 +1,57 @@
+"""What crosses from the engine thread to the stub: typed events, no vLLM import.
+
+Owns the boundary types (a step's outputs, a failed request, a dead engine, KV-cache counts);
+must not import vLLM or torch, so stub-side modules and unit tests can use them cheaply.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """The outputs one `step()` returned (one pythonized decode step, or one window).
+
+    With step timing on (metrics), steps that return nothing are handed over too (empty
+    `outputs`), and `forward_seconds` / `forward_end` (perf_counter) describe the model's
+    forward passes in the step; `new_window` says the step started a scheduling round.
+    """
+
+    outputs: list[Any]  # vLLM RequestOutputs
+    step_seconds: float
+    finished_at: float = field(default_factory=time.monotonic)
+    forward_seconds: float = 0.0
+    forward_end: float | None = None
+    new_window: bool = False
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """The engine refused or lost one request."""
+
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class EngineDied:
+    """The engine raised from `step()`; every request in it is lost."""
+
+    message: str
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class KvCacheStats:
+    """Block counts of the engine's KV cache (device blocks; CPU memory on CPU)."""
+
+    free_blocks: int
+    total_blocks: int
+    running: int
+    waiting: int
+
+
+EngineEvent = StepOutputs | RequestFailed | EngineDied

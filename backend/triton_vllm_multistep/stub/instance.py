@@ -1,0 +1,285 @@
+"""One model instance: config → engine + engine thread + response thread; Triton's entry points.
+
+Owns wiring the pieces together and the Triton-facing lifecycle (auto-complete, initialize,
+execute, finalize); must not parse inputs (codec) or drive the engine (engine_loop).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from triton_vllm_multistep.lifecycle import drain, protocol, triton_command
+from triton_vllm_multistep.stub import codec, config
+from triton_vllm_multistep.stub.detokenization import window_decoder
+from triton_vllm_multistep.stub.device import instance_device_environment
+
+logger = logging.getLogger("triton_vllm_multistep")
+if not logger.handlers:  # the stub's stderr is Triton's log; say who is speaking
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+# (name, Triton type, dims, optional) for auto_complete_config; mirrors Triton's vLLM backend.
+INPUTS = [
+    ("text_input", "TYPE_STRING", [1], True),
+    ("input_ids", "TYPE_INT32", [-1], True),
+    ("stream", "TYPE_BOOL", [1], True),
+    ("sampling_parameters", "TYPE_STRING", [1], True),
+    ("exclude_input_in_output", "TYPE_BOOL", [1], True),
+    *((name, "TYPE_BOOL", [1], True) for name in codec.RETURN_FLAGS),
+]
+OUTPUTS = [
+    ("text_output", "TYPE_STRING", [-1]),
+    ("output_ids", "TYPE_INT32", [-1]),
+    ("finish_reason", "TYPE_STRING", [-1]),
+    ("cumulative_logprob", "TYPE_FP32", [-1]),
+    ("logprobs", "TYPE_STRING", [-1]),
+    ("num_input_tokens", "TYPE_UINT32", [1]),
+    ("num_output_tokens", "TYPE_UINT32", [-1]),
+    # For a stateless postprocessing model: ids to replay, and (context, start, end) in them.
+    ("window_ids", "TYPE_INT32", [-1]),
+    ("window_offsets", "TYPE_INT32", [3]),
+]
+INPUT_NAMES = [name for name, *_ in INPUTS]
+
+
+def auto_complete(auto_config: Any) -> Any:
+    """Fill in what config.pbtxt leaves out: decoupled policy, no batching, the tensors."""
+    current = auto_config.as_dict()
+    have_inputs = {i["name"] for i in current.get("input", [])}
+    have_outputs = {o["name"] for o in current.get("output", [])}
+    for name, dtype, dims, optional in INPUTS:
+        if name not in have_inputs:
+            auto_config.add_input({"name": name, "data_type": dtype, "dims": dims, "optional": optional})
+    for name, dtype, dims in OUTPUTS:
+        if name not in have_outputs:
+            auto_config.add_output({"name": name, "data_type": dtype, "dims": dims})
+    auto_config.set_max_batch_size(0)
+    auto_config.set_model_transaction_policy({"decoupled": True})
+    return auto_config
+
+
+class ModelServer:
+    """Everything one Triton model instance runs."""
+
+    def __init__(self, pb_utils: Any, args: dict[str, str]) -> None:
+        from triton_vllm_multistep.engine.factory import build_engine, serving_torch_threads
+        from triton_vllm_multistep.engine.loop import EngineLoop
+        from triton_vllm_multistep.stub.responder import Responder
+
+        self._pb = pb_utils
+        model_config = json.loads(args["model_config"])
+        self.model_name = args.get("model_name") or model_config["name"]
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise config.ConfigError("model_transaction_policy { decoupled: true } is required: this backend streams")
+        model_dir = Path(args["model_repository"])
+        engine_json = config.load_engine_json(model_dir, args.get("model_version", "1"))
+        self.settings = config.backend_settings(model_config, engine_json)
+        engine_args = config.engine_args(engine_json, model_dir, self.settings)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.settings.cpu_kvcache_space_gib))
+        parallel = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
+        os.environ.update(
+            instance_device_environment(
+                args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0)), parallel
+            )
+        )
+        # The stub is a child of tritonserver: its command line says how it runs.
+        self._server_command = triton_command.of_process(os.getppid())
+        torch_threads = serving_torch_threads()
+        self.loop = EngineLoop(
+            lambda: build_engine(engine_args, stream_per_step=self.settings.stream_per_step), torch_threads
+        )
+        self.engine = self.loop.start_engine()  # a failed build has ended the engine thread
+        try:
+            self._tokenizer = self._load_tokenizer(engine_args)
+            model = self.engine.model_config
+            tokenizer_vocab = getattr(self._tokenizer, "max_token_id", len(self._tokenizer) - 1) + 1
+            self.limits = codec.ModelLimits(
+                vocab_size=min(model.get_vocab_size(), tokenizer_vocab),
+                max_model_len=model.max_model_len,
+                limits=self.settings.limits,
+            )
+            self.metrics = None
+            if self.settings.enable_metrics:
+                from triton_vllm_multistep.stub.metrics import BackendMetrics
+
+                self.metrics = BackendMetrics(
+                    pb_utils, model_config["name"], str(args.get("model_version", "1")), model.max_model_len
+                )
+            self.responder = Responder(pb_utils, abort=lambda rid: self.loop.abort(rid), observer=self.metrics)
+            self.responder.window_decode = window_decoder(self._load_tokenizer(engine_args))
+            # Everything built so far (torch, vLLM, the model: ~10^6 objects) lives as long as the
+            # model; without this, every full collection walks all of it (~250 ms with all threads
+            # stopped) while serving. Frozen objects are never collected, so collect once first.
+            gc.collect()
+            gc.freeze()
+            self.responder.start()
+            self.loop.serve(
+                sink=self.responder.post,
+                on_state=self.metrics.update_engine_state if self.metrics else None,
+                time_steps=self.metrics is not None,
+                on_death=self._on_engine_death,
+            )
+            self.drain = drain.unload_drain_for(
+                self.model_name,
+                str(args.get("model_version", "1")),
+                self._server_command,
+                self.settings.unload_drain_seconds,
+                in_flight=self.responder.in_flight,
+                close_intake=self.responder.close_intake,
+                end_all=self.responder.end_all,
+            )
+            self.drain.start()
+        except BaseException:
+            self.loop.stop()
+            self.engine.model_executor.shutdown()
+            raise
+        logger.info(
+            "vllm_multistep: model %s ready: num_scheduler_steps=%d, streaming per %s, torch threads %s, "
+            "drains for up to %.1f s on unload",
+            model.model,
+            self.engine.scheduler_config.num_scheduler_steps,
+            "step" if self.settings.stream_per_step else "scheduling window",
+            self.loop.torch_threads,
+            self.drain.drain_seconds,
+        )
+
+    @staticmethod
+    def _load_tokenizer(engine_args: Any) -> Any:
+        """A tokenizer of our own for execute(): fast tokenizers are not safe to share across threads."""
+        from vllm.transformers_utils.tokenizer import get_tokenizer
+
+        return get_tokenizer(
+            engine_args.tokenizer or engine_args.model,
+            tokenizer_mode=engine_args.tokenizer_mode,
+            trust_remote_code=engine_args.trust_remote_code,
+            revision=engine_args.tokenizer_revision,
+        )
+
+    def _inputs(self, request: Any) -> dict[str, np.ndarray]:
+        inputs = {}
+        for name in INPUT_NAMES:
+            tensor = self._pb.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                inputs[name] = tensor.as_numpy()
+        return inputs
+
+    def execute(self, requests: list[Any]) -> None:
+        """Validate and enqueue; responses come from the responder thread."""
+        from triton_vllm_multistep.stub.responder import RequestState
+
+        for request in requests:
+            sender = request.get_response_sender()
+            if self.responder.intake_closed is not None:
+                self._refuse(sender)
+                continue
+            if not self.loop.healthy:
+                self.responder.send_error(
+                    sender, self.loop.error or "the engine is not running", self._pb.TritonError.UNAVAILABLE
+                )
+                continue
+            try:
+                generation = codec.decode_request(
+                    self._inputs(request),
+                    request.parameters(),
+                    self.limits,
+                    encode=self._tokenizer.encode,
+                    decode=self._tokenizer.decode,
+                )
+            except codec.RequestError as error:
+                self.responder.send_error(sender, str(error), self._pb.TritonError.INVALID_ARG)
+                continue
+            except Exception as error:
+                logger.exception("unexpected error decoding a request")
+                self.responder.send_error(sender, f"invalid request: {error}", self._pb.TritonError.INVALID_ARG)
+                continue
+            request_id = request.request_id() or ""
+            engine_id = f"{request_id}-{uuid.uuid4().hex}" if request_id else uuid.uuid4().hex
+            timing = None
+            if self.metrics is not None:
+                from triton_vllm_multistep.stub.metrics import RequestTiming
+
+                timing = RequestTiming(time.time(), len(generation.prompt_token_ids), generation.stream)
+            if not self.responder.register(engine_id, RequestState(sender=sender, request=generation, timing=timing)):
+                self._refuse(sender)  # draining began since the check above
+                continue
+            self.loop.submit(engine_id, generation.prompt_token_ids, generation.sampling_params)
+            if not self.loop.healthy:
+                # The engine died between the check above and the submit: nobody else will
+                # answer this request (fail() is a no-op if the death handling already did).
+                self.responder.fail(
+                    engine_id, self.loop.error or "the engine is not running", self._pb.TritonError.UNAVAILABLE
+                )
+
+    def _refuse(self, sender: Any) -> None:
+        reason = self.responder.intake_closed
+        self.responder.send_error(sender, f"{reason}: not taking new requests", self._pb.TritonError.UNAVAILABLE)
+
+    def _on_engine_death(self, message: str) -> None:
+        """Engine thread, once: report it, then take the model out of service if Triton lets us."""
+        if self.metrics is not None:
+            self.metrics.on_engine_died()
+        if not self.settings.unload_on_engine_failure:
+            logger.error(
+                "vllm_multistep: model %s: engine failed (%s); answering UNAVAILABLE", self.model_name, message
+            )
+            return
+        threading.Thread(target=self._unload_self, args=(message,), name="vllm-self-unload", daemon=True).start()
+
+    def _unload_self(self, message: str, wait_seconds: float = 10.0) -> None:
+        """Ask Triton to unload this model (explicit model control only), once in-flight requests got their FINAL.
+
+        Python-based backends in Triton 2.51 cannot report "not ready" themselves (no `is_ready`
+        hook): unloading is the only way to stop the model being reported ready. In other
+        model-control modes Triton refuses, and the model stays loaded answering UNAVAILABLE.
+        """
+        deadline = time.monotonic() + wait_seconds
+        while self.responder.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        mode = self._server_command.model_control_mode if self._server_command else None
+        try:
+            # Triton refuses unloads outside explicit model control; a refused model-loader call takes
+            # the 2.51 Python backend's error path for stub requests, the path that broke
+            # is_model_ready during a server stop (see drain.py), so it is not made.
+            if mode not in (None, "explicit"):
+                raise RuntimeError(f"the server runs with --model-control-mode={mode}")
+            self._pb.unload_model(self.model_name)
+        except Exception as error:
+            logger.error(
+                "vllm_multistep: engine of model %s failed (%s); could not unload it (%s): it stays loaded and "
+                "answers UNAVAILABLE until the server is restarted (use --model-control-mode=explicit to have "
+                "it unloaded)",
+                self.model_name,
+                message,
+                error,
+            )
+        else:
+            logger.error(
+                "vllm_multistep: engine of model %s failed (%s); model unload requested", self.model_name, message
+            )
+
+    def close(self) -> None:
+        self.drain.stop()
+        self.loop.stop()
+        self.responder.stop(protocol.UNLOADING_MESSAGE)
+        if self.metrics is not None:
+            try:
+                self.metrics.close()
+            except Exception:
+                logger.exception("closing the metrics failed")
+        executor = getattr(self.engine, "model_executor", None)
+        if executor is not None:
+            executor.shutdown()
+        logger.info("vllm_multistep: model %s finalized: engine shut down", self.model_name)

@@ -1,0 +1,289 @@
+"""Prometheus metrics on Triton's metrics endpoint, through pb_utils.MetricFamily.
+
+Owns metric names, labels, buckets and the batching of updates; must not decide anything from
+them. Every pb_utils metric call is a blocking round trip from the stub to tritonserver (about
+20 µs idle, more under load), so nothing here calls pb_utils per response: the responder and
+engine threads record into plain Python accumulators and `maybe_flush()` (responder thread)
+pushes them at most every `FLUSH_SECONDS`.
+
+- The `vllm:` metrics have the names, kinds and buckets of Triton's vLLM backend. Their
+  observations are per request (a handful of calls per finished request, made at flush time).
+- The `vllm_multistep:` histograms are per engine step or per response, too frequent for one
+  call each, so they are aggregated in Python and exposed as Prometheus histogram series
+  (`NAME_bucket{le=...}`, `NAME_sum`, `NAME_count`) built from counters: a flush costs one call
+  per changed bucket however many observations it holds, and `histogram_quantile()` works on them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gc
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from triton_vllm_multistep.engine.events import KvCacheStats, StepOutputs
+
+FLUSH_SECONDS = 0.25
+# Buckets of Triton's vLLM backend (utils/metrics.py), so dashboards built for it keep working.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+E2E_BUCKETS = [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+TOKENS_PER_RESPONSE_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
+# Per-step host times: tens of µs (idle host) to hundreds of ms (an overloaded one).
+STEP_SECONDS_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
+
+
+def build_1_2_5_buckets(maximum: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to `maximum` (vLLM's buckets for token counts)."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > maximum:
+                return buckets
+            buckets.append(float(value))
+        exponent += 1
+
+
+@dataclass
+class RequestTiming:
+    """What the metrics need to know about one request, kept in the responder's request state."""
+
+    arrival: float  # time.time() when execute() accepted it
+    prompt_tokens: int
+    stream: bool
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    generated: int = 0  # tokens of all completions so far
+
+
+class _BatchedHistogram:
+    """A histogram aggregated in Python and published through counters (see the module doc)."""
+
+    def __init__(self, family: Any, name: str, description: str, buckets: list[float], labels: dict) -> None:
+        self.bounds = list(buckets)
+        bucket_family = family(f"{name}_bucket", f"{description} (cumulative count per upper bound le)")
+        self._families = [bucket_family]
+        self._bucket_metrics = [
+            bucket_family.Metric(labels={**labels, "le": _le(bound)}) for bound in [*self.bounds, math.inf]
+        ]
+        sum_family = family(f"{name}_sum", f"{description} (sum of observations)")
+        count_family = family(f"{name}_count", f"{description} (number of observations)")
+        self._families += [sum_family, count_family]
+        self._sum_metric = sum_family.Metric(labels=labels)
+        self._count_metric = count_family.Metric(labels=labels)
+        self._pending = [0] * (len(self.bounds) + 1)
+        self._pending_sum = 0.0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self._pending[bisect.bisect_left(self.bounds, value)] += count
+        self._pending_sum += value * count
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, [0] * len(self._pending)
+        total, self._pending_sum = self._pending_sum, 0.0
+        cumulative = 0
+        for metric, count in zip(self._bucket_metrics, pending, strict=True):
+            cumulative += count
+            if cumulative:
+                metric.increment(cumulative)
+        if cumulative:
+            self._count_metric.increment(cumulative)
+            self._sum_metric.increment(total)
+
+
+def _le(bound: float) -> str:
+    if math.isinf(bound):
+        return "+Inf"
+    return f"{bound:g}"
+
+
+class BackendMetrics:
+    """All metrics of one model instance, labelled with model and version like Triton's vLLM backend."""
+
+    def __init__(self, pb_utils: Any, model: str, version: str, max_model_len: int) -> None:
+        labels = {"model": model, "version": version}
+        kinds = pb_utils.MetricFamily
+        # A Metric is only valid while its MetricFamily object lives: keep every family.
+        self._families: list[Any] = []
+
+        def family(name: str, description: str, kind: Any) -> Any:
+            created = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+            self._families.append(created)
+            return created
+
+        def gauge(name: str, description: str) -> Any:
+            return family(name, description, kinds.GAUGE).Metric(labels=labels)
+
+        def counter(name: str, description: str) -> Any:
+            return family(name, description, kinds.COUNTER).Metric(labels=labels)
+
+        def histogram(name: str, description: str, buckets: list[float]) -> Any:
+            return family(name, description, kinds.HISTOGRAM).Metric(labels=labels, buckets=buckets)
+
+        def batched(name: str, description: str, buckets: list[float]) -> _BatchedHistogram:
+            def counter_family(full_name: str, text: str) -> Any:
+                return family(full_name, text, kinds.COUNTER)
+
+            return _BatchedHistogram(counter_family, name, description, buckets, labels)
+
+        # Engine state (gauges), sampled by the engine thread at most every 0.25 s.
+        self._running = gauge("vllm:num_requests_running", "Number of requests currently running on the engine")
+        self._waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting (or swapped out)")
+        self._usage = gauge("vllm:gpu_cache_usage_perc", "KV-cache usage, 1 = full (CPU memory on CPU hosts)")
+        self._free = gauge("vllm_multistep:kv_cache_free_blocks", "Free KV-cache blocks")
+        self._total = gauge("vllm_multistep:kv_cache_total_blocks", "All KV-cache blocks")
+        self._alive = gauge("vllm_multistep:engine_alive", "1 while the engine runs, 0 once it has failed")
+        # What Triton's vLLM backend reports, under its names.
+        self._prompt_tokens = counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.")
+        self._generation_tokens = counter("vllm:generation_tokens_total", "Number of generation tokens processed.")
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self._ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self._tpot = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds (one observation per request: its mean).",
+            TPOT_BUCKETS,
+        )
+        self._e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", E2E_BUCKETS
+        )
+        self._request_prompt = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self._request_generation = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        # What only a multi-step backend can show.
+        self._windows = counter(
+            "vllm_multistep:scheduling_windows_total", "Scheduling rounds (multi-step windows) the engine ran"
+        )
+        self._tokens_per_response = batched(
+            "vllm_multistep:tokens_per_response", "Tokens per streamed response", TOKENS_PER_RESPONSE_BUCKETS
+        )
+        self._lag = batched(
+            "vllm_multistep:pythonization_lag_seconds",
+            "Seconds from the end of a step's forward pass until its responses were handed to Triton",
+            STEP_SECONDS_BUCKETS,
+        )
+        self._overhead = batched(
+            "vllm_multistep:step_host_overhead_seconds",
+            "Host seconds per engine step outside the model's forward pass (schedule, sample, pythonize, outputs)",
+            STEP_SECONDS_BUCKETS,
+        )
+        self._alive.set(1)
+        # Accumulators: responder thread only, except `_engine_state` (one reference, swapped whole).
+        self._engine_state: KvCacheStats | None = None
+        self._flushed_state: KvCacheStats | None = None
+        self._prompt_pending = 0
+        self._generation_pending = 0
+        self._windows_pending = 0
+        self._finished: list[tuple[RequestTiming, float]] = []
+        self._flushed_at = 0.0
+        self._flush_lock = threading.Lock()  # the responder flushes; close() flushes once more
+
+    # --- engine thread -------------------------------------------------------------------
+    def update_engine_state(self, stats: KvCacheStats) -> None:
+        self._engine_state = stats
+
+    # --- responder thread ----------------------------------------------------------------
+    def on_response(
+        self, timing: RequestTiming, tokens: int, finished: bool, now: float, engine_first_token: float | None = None
+    ) -> None:
+        """A response carrying `tokens` new tokens (all completions) was sent to a client.
+
+        `engine_first_token` (time.time()) is the engine's own first-token time, for responses
+        that are not streamed and so arrive only once everything is generated.
+        """
+        if timing.first_token_at is None:
+            if tokens or finished:
+                self._prompt_pending += timing.prompt_tokens
+            if tokens:
+                timing.first_token_at = now if engine_first_token is None else min(now, engine_first_token)
+        if tokens:
+            timing.last_token_at = now
+            timing.generated += tokens
+            self._generation_pending += tokens
+            if timing.stream:
+                self._tokens_per_response.observe(tokens)
+        if finished:
+            self._finished.append((timing, now))
+
+    def on_step(self, event: StepOutputs, sent_at: float) -> None:
+        """One engine step's outputs were all handed to Triton at `sent_at` (perf_counter)."""
+        if event.new_window:
+            self._windows_pending += 1
+        if event.forward_end is not None and event.outputs:
+            self._lag.observe(max(0.0, sent_at - event.forward_end))
+        self._overhead.observe(max(0.0, event.step_seconds - event.forward_seconds))
+
+    def on_engine_died(self) -> None:
+        """Every request in the engine has been failed: say so at once (engine thread)."""
+        self._alive.set(0)
+        self._running.set(0)
+        self._waiting.set(0)
+
+    def close(self) -> None:
+        """Push what is pending, then delete this instance's series from the endpoint.
+
+        Dropping the last reference to a MetricFamily removes it from Triton's registry; without
+        this an unloaded model would keep showing its last gauges.
+        """
+        with self._flush_lock:
+            try:
+                self._flush()
+            finally:
+                # Metrics first, their families after (pb_utils requires that order).
+                keep = ("_flush_lock", "_families")
+                for name in [n for n, v in vars(self).items() if n not in keep and not isinstance(v, int | float)]:
+                    setattr(self, name, None)
+                gc.collect()
+                self._families = []
+                gc.collect()
+
+    def maybe_flush(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if now - self._flushed_at >= FLUSH_SECONDS:
+            self._flushed_at = now
+            self.flush()
+
+    def flush(self) -> None:
+        """Push everything accumulated since the last flush (a few pb_utils calls)."""
+        with self._flush_lock:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._prompt_pending:
+            self._prompt_tokens.increment(self._prompt_pending)
+            self._prompt_pending = 0
+        if self._generation_pending:
+            self._generation_tokens.increment(self._generation_pending)
+            self._generation_pending = 0
+        if self._windows_pending:
+            self._windows.increment(self._windows_pending)
+            self._windows_pending = 0
+        finished, self._finished = self._finished, []
+        for timing, ended in finished:
+            self._e2e.observe(max(0.0, ended - timing.arrival))
+            self._request_prompt.observe(timing.prompt_tokens)
+            self._request_generation.observe(timing.generated)
+            if timing.first_token_at is not None:
+                self._ttft.observe(max(0.0, timing.first_token_at - timing.arrival))
+                if timing.generated > 1 and timing.last_token_at is not None:
+                    self._tpot.observe((timing.last_token_at - timing.first_token_at) / (timing.generated - 1))
+        for histogram in (self._tokens_per_response, self._lag, self._overhead):
+            histogram.flush()
+        state = self._engine_state
+        if state is not None and state != self._flushed_state:
+            self._flushed_state = state
+            self._running.set(state.running)
+            self._waiting.set(state.waiting)
+            self._free.set(state.free_blocks)
+            self._total.set(state.total_blocks)
+            used = state.total_blocks - state.free_blocks
+            self._usage.set(used / state.total_blocks if state.total_blocks else 0.0)

@@ -1,0 +1,227 @@
+"""The response thread: turns engine events into Triton responses and sends them.
+
+Owns per-request response state, cancellation checks and the one-FINAL-per-request rule;
+must not call the engine except through the abort callback.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from triton_vllm_multistep.engine.events import EngineDied, EngineEvent, RequestFailed, StepOutputs
+from triton_vllm_multistep.lifecycle.protocol import ENSEMBLE_CATCH_UP_SECONDS
+from triton_vllm_multistep.stub import codec
+
+logger = logging.getLogger(__name__)
+CANCEL_SWEEP_SECONDS = 0.05
+# `is_cancelled()` is a blocking round trip to the tritonserver process (hundreds of µs under
+# load, more than sending a response), so it is never asked per response: each request in flight
+# is asked at most every CANCEL_CHECK_SECONDS, by the sweep, and a sweep asks at most
+# CANCEL_CHECKS_PER_SWEEP of them (longest unchecked first).
+CANCEL_CHECK_SECONDS = 0.1
+CANCEL_CHECKS_PER_SWEEP = 4
+_NOTHING = object()  # queue wait timed out: time to sweep for cancellations
+
+
+@dataclass(frozen=True)
+class EndRequests:
+    """End every request in flight with an UNAVAILABLE FINAL (and abort it in the engine)."""
+
+    message: str
+
+
+@dataclass
+class RequestState:
+    """What the responder knows of one request in flight."""
+
+    sender: Any  # pb_utils InferenceResponseSender
+    request: codec.GenerationRequest
+    first: bool = True
+    last_cancel_check: float = 0.0
+    timing: Any = None  # metrics.RequestTiming when metrics are on
+
+
+class Responder:
+    """Consumes engine events on its own thread; every registered request gets one FINAL."""
+
+    def __init__(self, pb_utils: Any, abort: Callable[[str], None], observer: Any = None) -> None:
+        self._pb = pb_utils
+        self._abort = abort
+        self._observer = observer
+        # Decodes detokenization windows (ensembles); a tokenizer of this thread's own.
+        self.window_decode: Callable[[Sequence[int], int], str] | None = None
+        self._states: dict[str, RequestState] = {}
+        self.intake_closed: str | None = None  # why new requests are refused, once they are
+        self._lock = threading.Lock()
+        self._events: queue.SimpleQueue[EngineEvent | EndRequests | None] = queue.SimpleQueue()
+        self._final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        self._thread = threading.Thread(target=self._run, name="triton-responder", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, reason: str, timeout: float = 10.0) -> None:
+        """Fail whatever is still in flight (server shutting down), then end the thread."""
+        self._events.put(EngineDied(reason, []))
+        self._events.put(None)
+        self._thread.join(timeout)
+
+    def post(self, event: EngineEvent) -> None:
+        """Called from the engine thread: a queue put, nothing more."""
+        self._events.put(event)
+
+    def end_all(self, message: str) -> None:
+        """Any thread: have the response thread end every request in flight.
+
+        Only the response thread sends on a registered request's sender: a FINAL sent from another
+        thread while it sends that request's next response crashes tritonserver 2.51 (seen: SIGSEGV
+        in the Python backend when the second send reaches a response factory the FINAL freed).
+        """
+        self._events.put(EndRequests(message))
+
+    def register(self, request_id: str, state: RequestState) -> bool:
+        """Take a request in; False (not taken) once intake is closed."""
+        with self._lock:
+            if self.intake_closed is not None:
+                return False
+            self._states[request_id] = state
+        return True
+
+    def close_intake(self, reason: str) -> None:
+        """Refuse every later `register` (draining): atomic with it, so no request slips in after the count."""
+        with self._lock:
+            self.intake_closed = reason
+
+    def in_flight(self) -> int:
+        return len(self._states)
+
+    def request_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._states)
+
+    def error_response(self, message: str, code: Any) -> Any:
+        return self._pb.InferenceResponse(error=self._pb.TritonError(message, code))
+
+    def send_error(self, sender: Any, message: str, code: Any) -> None:
+        """One error response flagged FINAL, to a request that never got into the engine."""
+        try:
+            sender.send(self.error_response(message, code), flags=self._final)
+        except Exception:
+            logger.warning("could not send error response: %s", message)
+
+    def fail(self, request_id: str, message: str, code: Any) -> None:
+        """End a registered request with an error FINAL, unless it has already ended."""
+        with self._lock:
+            state = self._states.pop(request_id, None)
+        if state is not None:
+            self.send_error(state.sender, message, code)
+
+    def _run(self) -> None:
+        last_sweep = time.monotonic()
+        while True:
+            try:
+                event = self._events.get(timeout=CANCEL_SWEEP_SECONDS)
+            except queue.Empty:
+                event = _NOTHING
+            if event is None:
+                return
+            if event is not _NOTHING:
+                try:
+                    self._handle(event)
+                except Exception:
+                    logger.exception("responder failed on %s", type(event).__name__)
+            now = time.monotonic()
+            if self._observer is not None:
+                try:
+                    self._observer.maybe_flush(now)
+                except Exception:
+                    logger.exception("flushing metrics failed")
+            if now - last_sweep >= CANCEL_SWEEP_SECONDS:
+                last_sweep = now
+                self._sweep_cancelled()
+
+    def _handle(self, event: EngineEvent | EndRequests) -> None:
+        if isinstance(event, StepOutputs):
+            self._send_outputs(event)
+        elif isinstance(event, RequestFailed):
+            self.fail(event.request_id, event.message, self._pb.TritonError.INVALID_ARG)
+        elif isinstance(event, EngineDied | EndRequests):
+            request_ids = self.request_ids()
+            if isinstance(event, EndRequests):
+                for request_id in request_ids:
+                    self._abort(request_id)  # the engine still runs it (a dead one runs nothing)
+                # An ensemble that gets the LLM's error while it still postprocesses an earlier
+                # response of the same request never finishes in Triton 2.51 (seen: one ensemble
+                # request left in flight after a drain, holding the server's stop until its exit
+                # timeout): stop the data first, let the ensembles catch up, then send the errors.
+                time.sleep(ENSEMBLE_CATCH_UP_SECONDS)
+            for request_id in request_ids:
+                self.fail(request_id, event.message, self._pb.TritonError.UNAVAILABLE)
+
+    def _send_outputs(self, event: StepOutputs) -> None:
+        for output in event.outputs:
+            state = self._states.get(output.request_id)
+            if state is None:
+                continue  # aborted or cancelled: its FINAL is already sent
+            finished = output.finished
+            try:
+                arrays = codec.encode_response(output, state.request, state.first, self.window_decode)
+                response = self._pb.InferenceResponse(
+                    output_tensors=[self._pb.Tensor(name, array) for name, array in arrays.items()]
+                )
+            except Exception as error:
+                logger.exception("could not encode response for %s", output.request_id)
+                self._abort(output.request_id)
+                self.fail(
+                    output.request_id, f"internal error encoding the response: {error}", self._pb.TritonError.INTERNAL
+                )
+                continue
+            state.first = False
+            if finished:
+                with self._lock:
+                    self._states.pop(output.request_id, None)
+            try:
+                state.sender.send(response, flags=self._final if finished else 0)
+            except Exception:
+                logger.info("client of %s is gone; aborting it", output.request_id)
+                if not finished:
+                    self._abort(output.request_id)
+                    with self._lock:
+                        self._states.pop(output.request_id, None)
+            if self._observer is not None and state.timing is not None:
+                engine_first = None
+                if not state.request.stream and output.metrics is not None:
+                    engine_first = getattr(output.metrics, "first_token_time", None)
+                tokens = sum(len(c.token_ids) for c in output.outputs)
+                self._observer.on_response(state.timing, tokens, finished, time.time(), engine_first)
+        if self._observer is not None:
+            self._observer.on_step(event, time.perf_counter())
+
+    def _cancelled(self, request_id: str, state: RequestState, now: float) -> bool:
+        state.last_cancel_check = now
+        if not state.sender.is_cancelled():
+            return False
+        self._abort(request_id)
+        self.fail(request_id, "request cancelled by the client", self._pb.TritonError.CANCELLED)
+        return True
+
+    def _sweep_cancelled(self) -> None:
+        """Ask Triton about the requests checked least recently, within the sweep's budget."""
+        now = time.monotonic()
+        with self._lock:
+            due = [
+                (s.last_cancel_check, rid, s)
+                for rid, s in self._states.items()
+                if now - s.last_cancel_check >= CANCEL_CHECK_SECONDS
+            ]
+        if len(due) > CANCEL_CHECKS_PER_SWEEP:
+            due = heapq.nsmallest(CANCEL_CHECKS_PER_SWEEP, due, key=lambda item: item[0])
+        for _, request_id, state in due:
+            self._cancelled(request_id, state, now)

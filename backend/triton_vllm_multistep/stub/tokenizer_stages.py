@@ -1,0 +1,166 @@
+"""The `preprocessing` and `postprocessing` models of the ensemble: text → ids, ids → text.
+
+Owns turning ensemble inputs (TensorRT-LLM's names where the meaning is the same) into the
+LLM model's `input_ids` + `sampling_parameters`, and decoding detokenization windows back to
+text; must not keep per-request state (both run with dynamic batching, one request at a time).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.stub.codec import RequestError, string_input, string_value
+from triton_vllm_multistep.stub.detokenization import slice_window, window_decoder
+
+# Scalar ensemble inputs that map onto one vLLM sampling field (TensorRT-LLM name → vLLM name).
+SCALAR_FIELDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "max_tokens": ("max_tokens", int),
+    "temperature": ("temperature", float),
+    "top_k": ("top_k", int),
+    "top_p": ("top_p", float),
+    "random_seed": ("seed", int),
+    "repetition_penalty": ("repetition_penalty", float),
+    "presence_penalty": ("presence_penalty", float),
+    "frequency_penalty": ("frequency_penalty", float),
+    "min_length": ("min_tokens", int),
+}
+
+
+def load_tokenizer(reference: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_models.resolve(reference))
+
+
+def _word_list(name: str, array: np.ndarray) -> list[str]:
+    return [word for word in (string_value(name, value) for value in array.reshape(-1)) if word]
+
+
+class Preprocessor:
+    """Text (or chat messages) and generation settings → what the LLM model accepts."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def prompt_ids(self, inputs: Mapping[str, np.ndarray]) -> list[int]:
+        if "messages" in inputs:
+            try:
+                messages = json.loads(string_input("messages", inputs["messages"]))
+            except json.JSONDecodeError as error:
+                raise RequestError(f"input 'messages' is not valid JSON: {error.msg}") from None
+            if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            ):
+                raise RequestError('input \'messages\' must be a JSON list of {"role": ..., "content": ...}')
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            # The template writes the BOS itself; don't add a second one.
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if "text_input" not in inputs:
+            raise RequestError("input 'text_input' is required (or 'messages' for a chat)")
+        text = string_input("text_input", inputs["text_input"])
+        if not text:
+            raise RequestError("input 'text_input' is empty")
+        return self.tokenizer.encode(text)
+
+    def sampling_parameters(self, inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        if "sampling_parameters" in inputs:
+            try:
+                fields = json.loads(string_input("sampling_parameters", inputs["sampling_parameters"]) or "{}")
+            except json.JSONDecodeError as error:
+                raise RequestError(f"input 'sampling_parameters' is not valid JSON: {error.msg}") from None
+            if not isinstance(fields, dict):
+                raise RequestError("input 'sampling_parameters' must be a JSON object")
+        for name, (field_name, kind) in SCALAR_FIELDS.items():
+            if name in inputs:
+                values = inputs[name].reshape(-1)
+                if values.size != 1:
+                    raise RequestError(f"input '{name}' must hold one value, got {values.size}")
+                fields[field_name] = kind(values[0].item())
+        max_tokens = fields.get("max_tokens")
+        if isinstance(max_tokens, int) and max_tokens < 1:
+            raise RequestError(f"input 'max_tokens' must be >= 1, got {max_tokens}")
+        if "stop_words" in inputs:
+            fields["stop"] = [*_listify(fields.get("stop")), *_word_list("stop_words", inputs["stop_words"])]
+        if "bad_words" in inputs:
+            fields["bad_words"] = [*_listify(fields.get("bad_words")), *_word_list("bad_words", inputs["bad_words"])]
+        return fields
+
+    def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        ids = self.prompt_ids(inputs)
+        fields = self.sampling_parameters(inputs)
+        return {
+            "input_ids": np.array([ids], dtype=np.int32),
+            "sampling_parameters": np.array([[json.dumps(fields).encode()]], dtype=np.object_),
+            # The LLM model sends text windows only when asked; the ensemble always asks.
+            "return_detokenization_window": np.array([[True]]),
+        }
+
+
+def _listify(value: Any) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+class Postprocessor:
+    """Detokenization window from the LLM model → the exact text delta, statelessly."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.decode = window_decoder(tokenizer)
+
+    def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if "window_ids" not in inputs or "window_offsets" not in inputs:
+            raise RequestError("inputs 'window_ids' and 'window_offsets' are required")
+        ids = [int(t) for t in inputs["window_ids"].reshape(-1)]
+        text = slice_window(ids, inputs["window_offsets"].reshape(-1), self.decode)
+        return {"text_output": np.array([[text.encode("utf-8")]], dtype=np.object_)}
+
+
+def run_batch(
+    pb_utils: Any, requests: list[Any], names: list[str], handler: Callable[[Mapping[str, np.ndarray]], dict]
+) -> list[Any]:
+    """One response per request of a dynamic batch; a bad request gets its own error only."""
+    responses = []
+    for request in requests:
+        try:
+            inputs = {}
+            for name in names:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    inputs[name] = tensor.as_numpy()
+            arrays = handler(inputs)
+            tensors = [pb_utils.Tensor(name, array) for name, array in arrays.items()]
+            responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
+        except (RequestError, ValueError, TypeError, OverflowError) as error:
+            responses.append(
+                pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG))
+            )
+    return responses
+
+
+def parameter(model_config: dict[str, Any], name: str, default: str) -> str:
+    value = (model_config.get("parameters") or {}).get(name, {}).get("string_value")
+    return value if value else default
+
+
+def python_model(pb_utils: Any, handler_class: type[Preprocessor] | type[Postprocessor]) -> type:
+    """The `TritonPythonModel` class of a tokenizer stage (its model.py is one line)."""
+
+    class TritonPythonModel:
+        def initialize(self, args: dict[str, str]) -> None:
+            config = json.loads(args["model_config"])
+            self._names = [item["name"] for item in config["input"]]
+            tokenizer_dir = parameter(config, "tokenizer_dir", "demo://tiny-llama-bpe")
+            self._handler = handler_class(load_tokenizer(tokenizer_dir))
+
+        def execute(self, requests: list[Any]) -> list[Any]:
+            return run_batch(pb_utils, requests, self._names, self._handler)
+
+    return TritonPythonModel

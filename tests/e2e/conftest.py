@@ -1,0 +1,71 @@
+"""The end-to-end tier's fixtures: one real tritonserver (via the launcher) for the whole session.
+
+The server serves a copy of the shipped model_repository/ plus test variants of the LLM
+model (the other tokenizer; single-step scheduling; per-window streaming) so both demo
+tokenizers are covered.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from served_models import LLM_MODEL, LLM_VARIANTS, SHIPPED_REPOSITORY
+
+from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, start_server
+
+
+def _add_variant(repository: Path, name: str, overrides: dict) -> None:
+    parameters = {"stream_mode": "window"} if name == "vllm_model_window" else None
+    copy_model(repository / LLM_MODEL, repository / name, overrides, parameters)
+
+
+def _add_spm_pipeline(repository: Path) -> None:
+    """ensemble_spm: the same pipeline on the metaspace demo tokenizer and vllm_model_spm."""
+    for stage in ("preprocessing", "postprocessing"):
+        target = repository / f"{stage}_spm"
+        shutil.copytree(repository / stage, target)
+        config = target / "config.pbtxt"
+        config.write_text(config.read_text().replace("demo://tiny-llama-bpe", "demo://tiny-llama-spm"))
+    target = repository / "ensemble_spm"
+    shutil.copytree(repository / "ensemble", target)
+    config = target / "config.pbtxt"
+    text = config.read_text()
+    for name in ("preprocessing", "postprocessing", "vllm_model"):
+        text = text.replace(f'model_name: "{name}"', f'model_name: "{name}_spm"')
+    config.write_text(text)
+
+
+@pytest.fixture(scope="session")
+def model_repository(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> Path:
+    repository = tmp_path_factory.mktemp("model_repository")
+    shutil.rmtree(repository)
+    shutil.copytree(SHIPPED_REPOSITORY, repository)
+    for name, overrides in LLM_VARIANTS.items():
+        _add_variant(repository, name, overrides)
+    _add_spm_pipeline(repository)
+    return repository
+
+
+@pytest.fixture(scope="session")
+def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One real tritonserver (via the launcher) for every end-to-end test of the session."""
+    log_dir = tmp_path_factory.mktemp("server-log")
+    handle = start_server(model_repository, log_dir / "tritonserver.log")
+    try:
+        try:
+            handle.wait_ready(timeout=300)
+        except TimeoutError:
+            # A model load was seen to stall once on a heavily loaded host; one clean restart
+            # (keeping the first log) beats failing every end-to-end test of the session.
+            handle.stop()
+            handle = start_server(model_repository, log_dir / "tritonserver-retry.log")
+            handle.wait_ready(timeout=300)
+        yield handle
+    finally:
+        handle.stop()
+        if os.environ.get("CI"):
+            print(f"\n--- tritonserver log tail ---\n{handle.log_tail(40)}")

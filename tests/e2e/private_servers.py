@@ -1,0 +1,68 @@
+"""Helpers for tests that need a tritonserver of their own (destructive or specially configured).
+
+Owns building a small model repository from the shipped LLM model, reading Prometheus text,
+and finding the server's Python-backend stub processes; knows nothing about what is tested.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import requests
+
+from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHIPPED_MODEL = REPO_ROOT / "model_repository" / "vllm_model"
+
+
+def make_repository(root: Path, models: dict[str, dict]) -> Path:
+    """A repository of copies of the shipped LLM model.
+
+    `models`: name → {"engine": model.json overrides, "parameters": config.pbtxt parameters}.
+    """
+    repository = root / "repository"
+    repository.mkdir(parents=True)
+    for name, spec in models.items():
+        copy_model(SHIPPED_MODEL, repository / name, spec.get("engine"), spec.get("parameters"))
+    return repository
+
+
+def scrape(server: ServerProcess) -> str:
+    return requests.get(server.metrics_url, timeout=10).text
+
+
+def metric(text: str, name: str, model: str, **labels: str) -> float | None:
+    """The value of one series (`name` with model=`model` and the given extra labels), or None."""
+    for match in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", text, re.M):
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+        if found.get("model") == model and all(found.get(k) == v for k, v in labels.items()):
+            return float(match.group(2))
+    return None
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.25) -> bool:
+    """Poll `condition` until it holds (True) or `timeout` s pass (False)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if condition():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+def stub_processes(server: ServerProcess) -> list[psutil.Process]:
+    """The server's live Python-backend stub processes (one per loaded model instance)."""
+    return server.process_groups()["stub"]
+
+
+def model_ready(server: ServerProcess, model: str) -> bool:
+    try:
+        return requests.get(f"{server.http_url}/v2/models/{model}/ready", timeout=5).status_code == 200
+    except requests.RequestException:
+        return False

@@ -1,0 +1,17 @@
+"""Names of the models the session's server serves: the shipped repository plus test variants."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHIPPED_REPOSITORY = REPO_ROOT / "model_repository"
+LLM_MODEL = "vllm_model"
+# Test variants of the shipped LLM model: name → model.json overrides.
+LLM_VARIANTS = {
+    "vllm_model_spm": {"model": "demo://tiny-llama-spm"},
+    "vllm_model_steps1": {"num_scheduler_steps": 1},
+    "vllm_model_window": {},  # per-window streaming, set in its config below
+}
+TOKENIZER_MODELS = {"bytelevel": LLM_MODEL, "metaspace": "vllm_model_spm"}
+ENSEMBLES = {"bytelevel": "ensemble", "metaspace": "ensemble_spm"}

@@ -1,0 +1,323 @@
+"""Health and lifecycle through a real tritonserver of this module's own (explicit model control).
+
+Engine failure (injected inside the engine's forward pass, see testing/faults.py),
+unload/reload with streams in flight, and SIGTERM under load: every client gets exactly one
+FINAL or a clean stream error, nothing hangs, and no stub or vLLM worker process is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import tritonclient.grpc as grpcclient
+from private_servers import SHIPPED_MODEL, make_repository, metric, model_ready, scrape, stub_processes, wait_for
+from triton_clients import StreamResult, grpc_generate
+
+from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV
+from triton_vllm_multistep.testing.faults import FAULT_FILE_ENV
+from triton_vllm_multistep.testing.local_server import ServerProcess, start_server
+
+MODEL = "vllm_model"
+STAYING = "vllm_model_stays"  # unload_on_engine_failure: false
+# Long enough to be in flight on a quiet machine too (prompt ~5 tokens, max_model_len 1024).
+LONG = {"temperature": 0, "max_tokens": 1000, "ignore_eos": True}
+SHORT = {"temperature": 0, "max_tokens": 4, "ignore_eos": True}
+
+
+class Streams:
+    """Streaming requests run on threads; results collected per index."""
+
+    def __init__(
+        self, server: ServerProcess, count: int, sampling: dict, timeout: float = 120, model: str = MODEL
+    ) -> None:
+        self.results: dict[int, StreamResult | BaseException] = {}
+        self._responded: set[int] = set()
+        self._any_response = threading.Condition()
+        self._threads = [
+            threading.Thread(target=self._run, args=(server, model, i, sampling, timeout), daemon=True)
+            for i in range(count)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, server: ServerProcess, model: str, index: int, sampling: dict, timeout: float) -> None:
+        try:
+            self.results[index] = grpc_generate(
+                server.grpc_url,
+                model,
+                prompt=f"stream number {index}",
+                sampling=sampling,
+                stream=True,
+                timeout=timeout,
+                on_response=lambda: self._responded_once(index),
+            )
+        except BaseException as error:  # a hang shows up as TimeoutError here
+            self.results[index] = error
+
+    def _responded_once(self, index: int) -> None:
+        if index not in self._responded:
+            with self._any_response:
+                self._responded.add(index)
+                self._any_response.notify_all()
+
+    def wait_streaming(self, timeout: float = 60) -> None:
+        """Until every stream has had a response: all are in flight (LONG ones stay so for seconds)."""
+        with self._any_response:
+            assert self._any_response.wait_for(lambda: len(self._responded) == len(self._threads), timeout)
+
+    def join(self, timeout: float) -> dict[int, StreamResult | BaseException]:
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self._threads), "a client is still waiting: something hangs"
+        return self.results
+
+
+@pytest.fixture(scope="module")
+def lifecycle_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("lifecycle")
+    repository = make_repository(root, {MODEL: {}, STAYING: {"parameters": {"unload_on_engine_failure": "false"}}})
+    fault_file = root / "engine-fault"
+    handle = start_server(
+        repository,
+        root / "tritonserver.log",
+        "--model-control-mode=explicit",
+        f"--load-model={MODEL}",
+        f"--load-model={STAYING}",
+        env={FAULT_FILE_ENV: str(fault_file)},
+    )
+    handle.fault_file = fault_file  # type: ignore[attr-defined]
+    try:
+        handle.wait_ready(timeout=600)
+        yield handle
+    finally:
+        handle.stop()
+
+
+def test_engine_failure_fails_streams_in_flight_refuses_new_and_unloads_the_model(lifecycle_server) -> None:
+    server = lifecycle_server
+    fault_file: Path = server.fault_file  # type: ignore[attr-defined]
+    streams = Streams(server, 3, LONG)
+    staying = Streams(server, 2, LONG, model=STAYING)
+    # Fault as soon as every stream has its first token: 1000-token streams are far from done then
+    # (waiting on the running-requests gauge instead let them finish first on a fast host).
+    streams.wait_streaming()
+    staying.wait_streaming()
+    fault_file.touch()
+    try:
+        results = streams.join(timeout=60)
+        results = [*results.values(), *staying.join(timeout=60).values()]
+        for result in results:
+            assert isinstance(result, StreamResult), result
+            assert result.finals == 1, (result.finals, result.error)
+            assert result.error is not None and "vLLM engine failed" in result.error, result.error
+            assert "InjectedEngineFault" in result.error
+            assert len(result.token_ids()) < LONG["max_tokens"]
+        # The model takes itself out of service (explicit model control): not ready, and new
+        # requests are refused, either by the backend (UNAVAILABLE) or by Triton (not loaded).
+        assert wait_for(lambda: not model_ready(server, MODEL), timeout=60), "model still reported ready"
+        refused = grpc_generate(server.grpc_url, MODEL, prompt="after", sampling=SHORT, stream=True, timeout=30)
+        assert refused.finals == 1 and refused.error is not None
+        assert f"'{MODEL}' has no available versions" in refused.error or "vLLM engine failed" in refused.error
+        assert wait_for(lambda: len(stub_processes(server)) == 1, timeout=60), "the failed engine's stub still runs"
+        # With unload_on_engine_failure false the model stays loaded (as in other model-control
+        # modes, where Triton refuses unloads): it answers UNAVAILABLE at once and says so.
+        assert model_ready(server, STAYING)
+        for _ in range(3):
+            started = time.monotonic()
+            refused = grpc_generate(server.grpc_url, STAYING, prompt="after", sampling=SHORT, stream=True, timeout=30)
+            assert refused.finals == 1 and refused.error is not None and "vLLM engine failed" in refused.error
+            assert time.monotonic() - started < 10
+        text = scrape(server)
+        assert metric(text, "vllm_multistep:engine_alive", STAYING) == 0
+        assert metric(text, "vllm:num_requests_running", MODEL) is None  # unloaded: its metrics are gone
+    finally:
+        fault_file.unlink(missing_ok=True)
+    # An operator (or orchestrator) brings it back through model control.
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.load_model(MODEL)
+    finally:
+        client.close()
+    assert model_ready(server, MODEL)
+    again = grpc_generate(server.grpc_url, MODEL, prompt="after", sampling=SHORT, stream=True)
+    assert again.finals == 1 and again.error is None and len(again.token_ids()) == 4
+    assert "could not unload" not in server.log_tail(400)
+
+
+def test_unload_and_reload_with_streams_in_flight(lifecycle_server) -> None:
+    server = lifecycle_server
+    control = grpcclient.InferenceServerClient(server.grpc_url)
+    control.unload_model(STAYING)  # its engine failed in the previous test
+    if not model_ready(server, MODEL):  # the previous test failed half-way
+        control.load_model(MODEL)
+    control.close()
+    assert wait_for(lambda: len(stub_processes(server)) == 1, timeout=60)
+    stubs_before = {p.pid for p in stub_processes(server)}
+    streams = Streams(server, 4, LONG)
+    streams.wait_streaming()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.unload_model(MODEL)
+        results = streams.join(timeout=90)
+        # The unload waits for them: they drain (up to 25 s here, Triton's default exit timeout
+        # 30 s - 5 s; a few seconds of work) and complete.
+        for result in results.values():
+            assert isinstance(result, StreamResult), result
+            assert result.finals == 1 and result.error is None, (result.finals, result.error)
+            assert len(result.token_ids()) == LONG["max_tokens"]
+        log = server.log_tail(100)
+        assert "with 4 request(s) in flight: new requests are refused, these may finish for up to 25.0 s" in log
+        assert "every request in flight finished while draining" in log
+        assert wait_for(lambda: not model_ready(server, MODEL), timeout=60)
+        assert wait_for(lambda: not stub_processes(server), timeout=60), "the unloaded model's stub is still running"
+        assert all(not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie" for pid in stubs_before)
+        client.load_model(MODEL)
+    finally:
+        client.close()
+    assert model_ready(server, MODEL)
+    assert len(stub_processes(server)) == 1
+    after = grpc_generate(server.grpc_url, MODEL, prompt="reloaded", sampling=SHORT, stream=True)
+    assert after.finals == 1 and after.error is None and len(after.token_ids()) == 4
+
+
+EXIT_TIMEOUT = 8
+DRAIN = EXIT_TIMEOUT - 5  # derived by the model from the server's --exit-timeout-secs
+MEDIUM = {"temperature": 0, "max_tokens": 50, "ignore_eos": True}
+ENDLESS = {"temperature": 0, "max_tokens": 2000, "ignore_eos": True}  # far more than the drain allows
+
+
+def _shutdown_repository(tmp_path: Path, ensemble: bool = False) -> Path:
+    """The LLM model allowing 2000-token streams, with the shipped ensemble around it if asked."""
+    repository = make_repository(tmp_path, {MODEL: {"engine": {"max_model_len": 2048}}})
+    if ensemble:
+        for stage in ("preprocessing", "postprocessing", "ensemble"):
+            shutil.copytree(SHIPPED_MODEL.parent / stage, repository / stage)
+    return repository
+
+
+def _assert_drained(finished: dict, ended: dict, message: str) -> None:
+    """Streams short enough for the drain completed; the others ended with `message`, each with one FINAL."""
+    for result in finished.values():
+        assert isinstance(result, StreamResult), result
+        assert result.finals == 1 and result.error is None, (result.finals, result.error)
+        assert len(result.responses) == MEDIUM["max_tokens"]
+    for result in ended.values():
+        assert isinstance(result, StreamResult), result
+        assert result.finals == 1, (result.finals, result.error)
+        assert result.error is not None and message in result.error, result.error
+        assert 0 < len(result.responses) < ENDLESS["max_tokens"]
+
+
+def _assert_clean_exit(server: ServerProcess, processes: list[psutil.Process]) -> str:
+    log = server.log_path.read_text(errors="replace")
+    assert "model vllm_model finalized: engine shut down" in log  # finalize ran: not killed
+    assert "Exit timeout expired" not in log
+    time.sleep(0.5)
+    alive = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left behind: {alive}"
+    return log
+
+
+def test_sigterm_to_tritonserver_drains_then_ends_every_stream_and_leaves_no_process(
+    tmp_path: Path, demo_model_paths: dict
+) -> None:
+    """SIGTERM to tritonserver itself (no launcher in between): the model sees Triton stop (readiness),
+    streams that can finish within the drain do, the rest end with UNAVAILABLE before the exit timeout
+    expires, and the server exits cleanly (0, finalize ran)."""
+    repository = _shutdown_repository(tmp_path)
+    server = start_server(repository, tmp_path / "tritonserver.log", f"--exit-timeout-secs={EXIT_TIMEOUT}")
+    try:
+        server.wait_ready(timeout=600)
+        processes = server.descendants()
+        (tritonserver,) = server.process_groups()["tritonserver"]
+        assert stub_processes(server)
+        finishing = Streams(server, 4, MEDIUM, timeout=EXIT_TIMEOUT + 60)
+        cut = Streams(server, 4, ENDLESS, timeout=EXIT_TIMEOUT + 60)
+        finishing.wait_streaming()
+        cut.wait_streaming()
+        started = time.monotonic()
+        tritonserver.send_signal(15)
+        code = server.process.wait(EXIT_TIMEOUT + 30)  # the launcher exits with tritonserver's code
+        took = time.monotonic() - started
+        finished, ended = finishing.join(timeout=60), cut.join(timeout=60)
+    finally:
+        server.stop()
+    assert code == 0, server.log_tail()
+    assert DRAIN <= took < EXIT_TIMEOUT, took
+    _assert_drained(finished, ended, "the model is being unloaded (or the server is stopping)")
+    log = _assert_clean_exit(server, processes)
+    assert f"these may finish for up to {DRAIN:.1f} s" in log
+    assert f"ending {len(ended)} request(s) still in flight" in log
+    assert os.environ.get(FAULT_FILE_ENV) is None
+
+
+def test_sigterm_to_the_launcher_drains_ensemble_streams_before_triton_stops(
+    tmp_path: Path, demo_model_paths: dict
+) -> None:
+    """Triton 2.51 stops every scheduler when it starts stopping, after which an ensemble in flight never
+    finishes; the launcher therefore drains the LLM models first: every ensemble and direct stream ends
+    with its FINAL (completed, or "the server is about to stop"), then Triton stops cleanly."""
+    repository = _shutdown_repository(tmp_path, ensemble=True)
+    server = start_server(repository, tmp_path / "tritonserver.log", f"--exit-timeout-secs={EXIT_TIMEOUT}")
+    try:
+        server.wait_ready(timeout=600)
+        processes = server.descendants()
+        finishing = Streams(server, 2, MEDIUM, timeout=3 * EXIT_TIMEOUT + 60, model="ensemble")
+        cut = Streams(server, 2, ENDLESS, timeout=3 * EXIT_TIMEOUT + 60, model="ensemble")
+        cut_direct = Streams(server, 2, ENDLESS, timeout=3 * EXIT_TIMEOUT + 60)
+        for streams in (finishing, cut, cut_direct):
+            streams.wait_streaming()
+        started = time.monotonic()
+        server.process.send_signal(15)
+        code = server.process.wait(2 * EXIT_TIMEOUT + 30)
+        took = time.monotonic() - started
+        finished = finishing.join(timeout=60)
+        ended = {**cut.join(timeout=60), **{10 + i: r for i, r in cut_direct.join(timeout=60).items()}}
+    finally:
+        server.stop()
+    assert code == 0, server.log_tail()
+    assert took < 2 * EXIT_TIMEOUT, took
+    _assert_drained(finished, ended, "the server is about to stop")
+    log = _assert_clean_exit(server, processes)
+    assert "drained 1 model instance(s)" in log and "(all drained); stopping tritonserver" in log
+
+
+def test_drain_command_drains_a_running_server_and_it_refuses_new_requests(
+    tmp_path: Path, demo_model_paths: dict
+) -> None:
+    """`triton-vllm-multistep drain` (a preStop hook for a plain tritonserver) finds the server by its drain
+    file, drains it, and returns once done; the model then refuses new requests with UNAVAILABLE."""
+    drain_file = tmp_path / "drain-request"
+    repository = _shutdown_repository(tmp_path)
+    env = {DRAIN_FILE_ENV: str(drain_file)}
+    server = start_server(repository, tmp_path / "tritonserver.log", "--exit-timeout-secs=10", env=env)
+    try:
+        server.wait_ready(timeout=600)
+        cut = Streams(server, 2, ENDLESS, timeout=120)
+        cut.wait_streaming()
+        command = subprocess.run(
+            [sys.executable, "-m", "triton_vllm_multistep", "drain", "--timeout", "30"],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert command.returncode == 0, command.stderr
+        assert "1 vllm_multistep model instance(s), 1 drained" in command.stdout, command.stdout
+        _assert_drained({}, cut.join(timeout=30), "the server is about to stop")
+        refused = grpc_generate(server.grpc_url, MODEL, prompt="late", sampling=SHORT, stream=True, timeout=30)
+        assert refused.finals == 1 and refused.error is not None
+        assert "the server is about to stop: not taking new requests" in refused.error
+    finally:
+        code = server.stop(timeout=60)
+    assert code == 0, server.log_tail()

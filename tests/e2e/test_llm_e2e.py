@@ -1,0 +1,285 @@
+"""The LLM model end to end through the real tritonserver: streaming, exactness, errors, cancel.
+
+References come from the same demo models run offline by vLLM (LLM.generate) and by Hugging
+Face transformers, so "correct" means token-for-token equal to both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import re
+import time
+
+import numpy as np
+import pytest
+import requests
+import torch
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+from served_models import LLM_MODEL, TOKENIZER_MODELS
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from triton_clients import StreamResult, aio_generate, grpc_generate, http_generate, make_inputs
+
+PROMPTS = [
+    "Hello world, the model",
+    "你好 世界 模型 🚀 café",
+    "people write code",
+    "a",
+]
+MAX_TOKENS = 24
+GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+DEMO_FOR_STYLE = {"bytelevel": "tiny-llama-bpe", "metaspace": "tiny-llama-spm"}
+
+
+@pytest.fixture(scope="module")
+def offline_references(demo_model_paths: dict) -> dict[str, list[tuple[list[int], str]]]:
+    """Greedy (token ids, text) per prompt from offline vLLM, for both tokenizer styles."""
+    from vllm import LLM, SamplingParams
+
+    references = {}
+    for style, demo in DEMO_FOR_STYLE.items():
+        llm = LLM(str(demo_model_paths[demo]), dtype="float32", max_model_len=1024, seed=0, enforce_eager=True)
+        outputs = llm.generate(PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)
+        references[style] = [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in outputs]
+        del llm
+        gc.collect()
+    return references
+
+
+def hf_greedy(path, prompt: str, tokens: int) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    return out[0, ids.shape[1] :].tolist()
+
+
+def assert_single_final(result: StreamResult) -> None:
+    assert result.finals == 1, f"{result.finals} FINAL responses, error={result.error}"
+
+
+@pytest.mark.parametrize("style", sorted(TOKENIZER_MODELS))
+def test_greedy_streamed_equals_whole_equals_offline_vllm_and_hf(
+    server, offline_references, demo_model_paths, style: str
+) -> None:
+    model = TOKENIZER_MODELS[style]
+    for prompt, (ref_ids, ref_text) in zip(PROMPTS, offline_references[style], strict=True):
+        streamed = grpc_generate(server.grpc_url, model, prompt=prompt, sampling=GREEDY, stream=True)
+        whole = grpc_generate(
+            server.grpc_url, model, prompt=prompt, sampling=GREEDY, stream=False, exclude_input_in_output=True
+        )
+        assert_single_final(streamed)
+        assert_single_final(whole)
+        assert streamed.error is None and whole.error is None
+        assert len(whole.data_responses) == 1
+        assert streamed.token_ids() == whole.token_ids() == ref_ids
+        assert streamed.text() == whole.text() == ref_text
+        for response in streamed.data_responses:
+            response["text_output"][0].decode("utf-8")  # every delta is valid UTF-8 on its own
+    # Hugging Face on one prompt per style (slow-ish): token-for-token the same.
+    assert hf_greedy(demo_model_paths[DEMO_FOR_STYLE[style]], PROMPTS[0], MAX_TOKENS) == offline_references[style][0][0]
+
+
+@pytest.mark.parametrize("model", [LLM_MODEL, "vllm_model_steps1"])
+def test_k_tokens_give_k_data_responses_when_streaming_per_step(server, model: str) -> None:
+    tokens = 21  # ends mid-window at 8 steps
+    result = grpc_generate(
+        server.grpc_url, model, prompt="the engine schedules", sampling={**GREEDY, "max_tokens": tokens}, stream=True
+    )
+    assert_single_final(result)
+    assert result.error is None
+    assert len(result.data_responses) == tokens
+    assert all(len(r["output_ids"]) == 1 for r in result.data_responses)
+
+
+def test_window_streaming_sends_fewer_bigger_responses_with_the_same_tokens(server) -> None:
+    sampling = {**GREEDY, "max_tokens": 21}
+    per_step = grpc_generate(server.grpc_url, LLM_MODEL, prompt="rivers run", sampling=sampling, stream=True)
+    per_window = grpc_generate(
+        server.grpc_url, "vllm_model_window", prompt="rivers run", sampling=sampling, stream=True
+    )
+    assert_single_final(per_window)
+    assert per_window.token_ids() == per_step.token_ids()
+    assert per_window.text() == per_step.text()
+    assert len(per_window.data_responses) <= 5  # prefill + ceil(20 / 8) windows, not 21 responses
+
+
+def test_multistep_is_in_effect_on_cpu(server) -> None:
+    log = server.log_path.read_text(errors="replace")
+    assert re.search(r"ready: num_scheduler_steps=8", log), "the shipped model must run 8 steps per window"
+
+
+def test_32_concurrent_streams_each_get_their_own_output(server) -> None:
+    prompts = [f"{word} {i}" for i, word in enumerate(["cats sleep", "the fox", "people read", "stars"] * 8)]
+    lengths = [4 + (i * 7) % 29 for i in range(len(prompts))]
+
+    async def run_all() -> list[StreamResult]:
+        async with grpcaio.InferenceServerClient(server.grpc_url) as client:
+            return await asyncio.gather(
+                *(
+                    aio_generate(client, LLM_MODEL, prompt=p, sampling={**GREEDY, "max_tokens": n}, stream=True)
+                    for p, n in zip(prompts, lengths, strict=True)
+                )
+            )
+
+    results = asyncio.run(run_all())
+    for prompt, length, result in zip(prompts, lengths, results, strict=True):
+        assert_single_final(result)
+        assert result.error is None
+        alone = grpc_generate(
+            server.grpc_url,
+            LLM_MODEL,
+            prompt=prompt,
+            sampling={**GREEDY, "max_tokens": length},
+            exclude_input_in_output=True,
+        )
+        assert result.token_ids() == alone.token_ids()
+        assert len(result.token_ids()) == length
+        assert result.text() == alone.text()
+
+
+LONG_IDS = [1] + [5] * 1100
+BAD_INPUTS = [
+    ({"prompt": "hi", "sampling": "{not json"}, "sampling_parameters' is not valid JSON"),
+    ({"prompt": "hi", "sampling": "[1, 2]"}, "must be a JSON object"),
+    ({"prompt": "hi", "sampling": {"temprature": 0.5}}, "temprature is not a known vLLM sampling parameter"),
+    ({"prompt": "hi", "sampling": {"max_tokens": "ten"}}, "max_tokens: expected an integer"),
+    ({"prompt": "hi", "sampling": {"max_tokens": 0}}, "max_tokens must be >= 1"),
+    ({"prompt": "hi", "sampling": {"temperature": -1}}, "temperature"),
+    ({"prompt": "hi", "sampling": {"top_p": 1.5}}, "top_p"),
+    ({"prompt": "hi", "sampling": {"n": 1000}}, "n must be between 1 and"),
+    ({"prompt": "hi", "sampling": {"stop_token_ids": [10**6]}}, "stop_token_ids: token id 1000000 is outside"),
+    ({"prompt": "hi", "sampling": {"guided_decoding": {"regex": "a+"}}}, "guided decoding is not supported"),
+    ({"prompt": "hi", "sampling": {"logits_processors": ["x"]}}, "logits processors are not supported"),
+    ({"prompt": "hi", "sampling": {"lora_name": "x"}}, "LoRA adapters are not supported"),
+    ({"prompt": ""}, "'text_input' is empty"),
+    ({"input_ids": []}, "the prompt has no tokens"),
+    ({"input_ids": LONG_IDS}, "more than this model's limit of 1024"),
+    ({"input_ids": [1, 10**6]}, "input 'input_ids': token id 1000000 is outside the vocabulary"),
+    ({"prompt": "hi", "input_ids": [1, 5]}, "exactly one of 'text_input' or 'input_ids' is required, not both"),
+    ({"sampling": {"max_tokens": 3}}, "exactly one of 'text_input' or 'input_ids' is required"),
+    ({"prompt": "hi", "stream": True, "exclude_input_in_output": False}, "not allowed when streaming"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
+def test_bad_input_gets_a_clear_error_and_the_next_request_works(server, kwargs: dict, message: str) -> None:
+    result = grpc_generate(server.grpc_url, LLM_MODEL, **kwargs)
+    assert result.error is not None and message in result.error, result.error
+    assert_single_final(result)
+    assert "NoneType" not in result.error
+    good = grpc_generate(server.grpc_url, LLM_MODEL, prompt="hello", sampling={**GREEDY, "max_tokens": 3}, stream=True)
+    assert good.error is None and len(good.token_ids()) == 3
+
+
+def test_invalid_utf8_text_input_is_refused(server) -> None:
+    item = grpcclient.InferInput("text_input", [1], "BYTES")
+    item.set_data_from_numpy(np.array([b"\xff\xfe bad"], dtype=np.object_))
+    result = grpc_generate(server.grpc_url, LLM_MODEL, inputs=[item])
+    assert result.error is not None and "not valid UTF-8" in result.error
+
+
+def test_request_parameters_are_sampling_fields(server) -> None:
+    via_params = grpc_generate(
+        server.grpc_url,
+        LLM_MODEL,
+        inputs=make_inputs(grpcclient, prompt="hello there", stream=True),
+        parameters={"max_tokens": 5, "temperature": 0, "ignore_eos": True},
+    )
+    assert via_params.error is None and len(via_params.token_ids()) == 5
+    wrong = grpc_generate(
+        server.grpc_url, LLM_MODEL, inputs=make_inputs(grpcclient, prompt="x"), parameters={"max_tokenz": 5}
+    )
+    assert wrong.error is not None and "max_tokenz is not a known" in wrong.error
+
+
+def kv_blocks(server) -> tuple[float, float]:
+    text = requests.get(server.metrics_url, timeout=5).text
+
+    def value(name: str) -> float:
+        match = re.search(rf'^{re.escape(name)}\{{[^}}]*model="{LLM_MODEL}"[^}}]*\}} (\S+)$', text, re.M)
+        assert match, f"{name} missing from metrics"
+        return float(match.group(1))
+
+    return value("vllm_multistep:kv_cache_free_blocks"), value("vllm_multistep:kv_cache_total_blocks")
+
+
+def test_cancelled_streams_free_their_kv_blocks(server) -> None:
+    sampling = {**GREEDY, "max_tokens": 600}
+    results = [
+        grpc_generate(
+            server.grpc_url, LLM_MODEL, prompt=f"long story {i}", sampling=sampling, stream=True, cancel_after=3
+        )
+        for i in range(4)
+    ]
+    assert all(len(r.responses) >= 3 and r.finals == 0 for r in results)
+    deadline = time.monotonic() + 20
+    free, total = kv_blocks(server)
+    while free != total and time.monotonic() < deadline:
+        time.sleep(0.25)
+        free, total = kv_blocks(server)
+    assert total > 0 and free == total
+    good = grpc_generate(server.grpc_url, LLM_MODEL, prompt="after", sampling={**GREEDY, "max_tokens": 4}, stream=True)
+    assert good.error is None and len(good.token_ids()) == 4
+
+
+def test_non_streaming_prepends_prompt_and_optional_outputs_only_when_asked(server, demo_model_paths) -> None:
+    plain = grpc_generate(server.grpc_url, LLM_MODEL, prompt="Hello world", sampling={**GREEDY, "max_tokens": 5})
+    assert plain.text().startswith("Hello world")
+    assert set(plain.data_responses[0]) <= {"text_output", "output_ids"}
+    full = grpc_generate(
+        server.grpc_url,
+        LLM_MODEL,
+        prompt="Hello world",
+        sampling={**GREEDY, "max_tokens": 5, "logprobs": 2},
+        exclude_input_in_output=True,
+        return_finish_reason=True,
+        return_cumulative_logprob=True,
+        return_logprobs=True,
+        return_num_input_tokens=True,
+        return_num_output_tokens=True,
+    )
+    response = full.data_responses[0]
+    assert full.text() == plain.text().removeprefix("Hello world")
+    assert response["finish_reason"][0] == b"length"
+    assert response["num_output_tokens"].tolist() == [5]
+    prompt_ids = AutoTokenizer.from_pretrained(demo_model_paths["tiny-llama-bpe"]).encode("Hello world")
+    assert response["num_input_tokens"].tolist() == [len(prompt_ids)]
+    assert np.isfinite(response["cumulative_logprob"][0])
+    steps = json.loads(response["logprobs"][0])
+    assert len(steps) == 5 and all(len(step) >= 1 for step in steps)
+
+
+def test_n_greater_than_one_returns_each_completion_at_its_index(server) -> None:
+    sampling = {"temperature": 1.0, "seed": 7, "n": 3, "max_tokens": 6, "ignore_eos": True}
+    result = grpc_generate(
+        server.grpc_url, LLM_MODEL, prompt="cats", sampling=sampling, stream=True, return_num_output_tokens=True
+    )
+    assert_single_final(result)
+    counts = np.sum([r["num_output_tokens"] for r in result.data_responses], axis=0)
+    assert counts.tolist() == [6, 6, 6]
+    texts = [result.text(i) for i in range(3)]
+    assert len(set(texts)) > 1  # three independent samples
+
+
+def test_http_generate_and_generate_stream(server) -> None:
+    body = {
+        "text_input": "Hello world, the model",
+        "parameters": {"max_tokens": 8, "temperature": 0, "ignore_eos": True},
+    }
+    whole = http_generate(server.http_url, LLM_MODEL, body | {"exclude_input_in_output": True})[0]
+    assert whole["_status"] == 200, whole
+    events = http_generate(server.http_url, LLM_MODEL, body | {"stream": True}, stream=True)
+    assert len(events) == 8
+    assert "".join(e["text_output"] for e in events) == whole["text_output"]
+    bad = http_generate(server.http_url, LLM_MODEL, {"text_input": "x", "parameters": {"max_tokens": -3}})[0]
+    assert bad["_status"] == 400 and "max_tokens must be >= 1" in bad["error"]
