@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from triton_vllm_multistep.demo import models as demo_models
 
+logger = logging.getLogger("triton_vllm_multistep")
 MODEL_JSON = "model.json"
 # Engine arguments that name files or folders: resolved against the model folder when relative.
 PATH_ARGS = ("model", "tokenizer", "download_dir")
@@ -131,6 +133,38 @@ def load_engine_json(model_dir: Path, version: str | int) -> dict[str, Any]:
     if "model" not in data:
         raise ConfigError(f"{path} must name the model ('model': a folder or demo://NAME)")
     return data
+
+
+ENGINE_ARGS_PARAMETER = "engine_args"
+
+
+def apply_config_engine_args(engine_json: dict[str, Any], model_config: dict[str, Any]) -> dict[str, Any]:
+    """model.json's fields, overridden by the `engine_args` parameter of the config Triton loaded.
+
+    One model folder serves several configs (config.pbtxt for GPUs, configs/cpu.pbtxt without
+    one), and some engine settings must differ between them (dtype: vLLM's multi-step runner on
+    CUDA needs FlashAttention, hence fp16/bf16). The parameter holds a JSON object of engine
+    arguments; each field it sets wins over model.json's for that config, and is logged.
+    """
+    text = _parameter_values(model_config).get(ENGINE_ARGS_PARAMETER, "").strip()
+    if not text:
+        return engine_json
+    try:
+        overrides = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"config.pbtxt parameter {ENGINE_ARGS_PARAMETER!r} is not valid JSON: {error}") from None
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"config.pbtxt parameter {ENGINE_ARGS_PARAMETER!r} must hold a JSON object of engine args")
+    for name, value in overrides.items():
+        if name in engine_json and engine_json[name] != value:
+            logger.info(
+                "config.pbtxt %s sets %s=%r for this config (model.json: %r)",
+                ENGINE_ARGS_PARAMETER,
+                name,
+                value,
+                engine_json[name],
+            )
+    return {**engine_json, **overrides}
 
 
 def engine_args(engine_json: dict[str, Any], model_dir: Path, settings: BackendSettings):

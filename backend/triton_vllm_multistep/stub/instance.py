@@ -85,7 +85,9 @@ class ModelServer:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise config.ConfigError("model_transaction_policy { decoupled: true } is required: this backend streams")
         model_dir = Path(args["model_repository"])
-        engine_json = config.load_engine_json(model_dir, args.get("model_version", "1"))
+        engine_json = config.apply_config_engine_args(
+            config.load_engine_json(model_dir, args.get("model_version", "1")), model_config
+        )
         self.settings = config.backend_settings(model_config, engine_json)
         engine_args = config.engine_args(engine_json, model_dir, self.settings)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.settings.cpu_kvcache_space_gib))

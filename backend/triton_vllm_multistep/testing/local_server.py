@@ -35,7 +35,8 @@ def copy_model(
     for config in (target / "config.pbtxt", *sorted((target / "configs").glob("*.pbtxt"))):
         text = config.read_text()
         for key, value in (parameters or {}).items():
-            line = f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
+            # json.dumps quotes and escapes as protobuf's text format reads it (values may hold JSON).
+            line = f'parameters {{ key: "{key}" value: {{ string_value: {json.dumps(value)} }} }}\n'
             text, replaced = re.subn(rf'^parameters \{{ key: "{key}" .*$\n', line, text, flags=re.M)
             if not replaced:
                 text += line
