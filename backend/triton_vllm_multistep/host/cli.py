@@ -1,6 +1,6 @@
-"""Command line: `triton-vllm-multistep serve|drain|build-demo-models|doctor`.
+"""Command line: `triton-vllm-multistep serve|drain|probe|build-demo-models|doctor`.
 
-Owns argument parsing only; the work is in launcher, server_drain and demo_models.
+Owns argument parsing only; the work is in launcher, server_drain, probe and demo_models.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from triton_vllm_multistep.demo import models as demo_models
-from triton_vllm_multistep.host import launcher
+from triton_vllm_multistep.host import launcher, probe
 from triton_vllm_multistep.lifecycle import server_drain, triton_command
 from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV
 
@@ -52,6 +52,14 @@ def _drain(args: argparse.Namespace, rest: list[str]) -> int:
     return 1 if busy else 0
 
 
+def _probe(args: argparse.Namespace, rest: list[str]) -> int:
+    healthy, lines = probe.run(
+        args.drain_file or os.environ.get(DRAIN_FILE_ENV), args.model, args.readiness, args.timeout
+    )
+    print("\n".join(lines), file=sys.stdout if healthy else sys.stderr)
+    return 0 if healthy else 1
+
+
 def _build(args: argparse.Namespace, rest: list[str]) -> int:
     for name in args.names or sorted(demo_models.DEMO_MODELS):
         path = demo_models.build(name, args.output, force=args.force)
@@ -88,6 +96,16 @@ def main(argv: list[str] | None = None) -> int:
         "--timeout", type=float, default=None, help="seconds to wait per server (default: its --exit-timeout-secs)"
     )
     drain.set_defaults(handler=_drain)
+    checks = commands.add_parser(
+        "probe",
+        help="exit 0 if the running tritonserver's models are healthy, 1 if not (a Kubernetes exec probe; "
+        "catches a failed engine and a dead stub, which Triton's health endpoints do not)",
+    )
+    checks.add_argument("--model", action="append", default=[], help="model to check (default: --load-model's)")
+    checks.add_argument("--readiness", action="store_true", help="a server asked to drain is not ready either")
+    checks.add_argument("--timeout", type=float, default=probe.DEFAULT_TIMEOUT_SECONDS, help="seconds in all")
+    checks.add_argument("--drain-file", default=None, help=f"the server's {DRAIN_FILE_ENV} (default: from the env)")
+    checks.set_defaults(handler=_probe)
     build = commands.add_parser("build-demo-models", help="build the local demo models")
     build.add_argument("names", nargs="*")
     build.add_argument("--output", type=Path, default=None)
