@@ -48,14 +48,17 @@ GRACE_SECONDS = DEPLOYMENT["spec"]["template"]["spec"]["terminationGracePeriodSe
 SHORT = {"temperature": 0, "max_tokens": 4, "ignore_eos": True}
 LONG = {"temperature": 0, "max_tokens": 1000, "ignore_eos": True}
 MEDIUM = {"temperature": 0, "max_tokens": 50, "ignore_eos": True}
+# The demo model's longest: more than the drain's 25 s allow on a busy host, maybe not on a quiet one.
+ENDLESS = {"temperature": 0, "max_tokens": 2000, "ignore_eos": True}
+PRESTOP_STREAMS = (MEDIUM, MEDIUM, ENDLESS, ENDLESS, ENDLESS, ENDLESS, ENDLESS, ENDLESS)
 STOPPING = "the server is about to stop"
 
 
 class Pod:
     """tritonserver started as the container would be, and the container's exec commands."""
 
-    def __init__(self, root: Path, extra_env: dict[str, str] | None = None) -> None:
-        repository = make_repository(root, {MODEL: {}})
+    def __init__(self, root: Path, extra_env: dict[str, str] | None = None, engine: dict | None = None) -> None:
+        repository = make_repository(root, {MODEL: {"engine": engine or {}}})
         self.drain_file = root / "drain-request"
         http_port, grpc_port, metrics_port = free_ports(3)
         replaced = {
@@ -232,11 +235,11 @@ def test_prestop_drains_streams_in_flight_and_the_server_exits_within_the_grace_
 ) -> None:
     """The kubelet's order: preStop (run exactly as written) to completion, then SIGTERM to the
     container's PID 1 (tritonserver), SIGKILL at terminationGracePeriodSeconds from preStop's start."""
-    pod = Pod(tmp_path)
+    pod = Pod(tmp_path, engine={"max_model_len": 2048})
     try:
         pod.server.wait_ready(timeout=600)
         streams: list[tuple[threading.Thread, list, threading.Event]] = []
-        for sampling in (MEDIUM, MEDIUM, LONG, LONG, LONG, LONG):
+        for sampling in PRESTOP_STREAMS:
             results: list[Any] = []
             started = threading.Event()
             thread = threading.Thread(target=_stream, args=(pod, sampling, results, started, GRACE_SECONDS + 60))
@@ -264,7 +267,7 @@ def test_prestop_drains_streams_in_flight_and_the_server_exits_within_the_grace_
     assert code == 0, pod.server.log_tail()
     assert took < GRACE_SECONDS
     outcomes = []
-    for (_, results, _), sampling in zip(streams, (MEDIUM, MEDIUM, LONG, LONG, LONG, LONG), strict=True):
+    for (_, results, _), sampling in zip(streams, PRESTOP_STREAMS, strict=True):
         (result,) = results
         assert isinstance(result, StreamResult), result
         assert result.finals == 1, (result.finals, result.error)
