@@ -57,7 +57,14 @@ STOPPING = "the server is about to stop"
 class Pod:
     """tritonserver started as the container would be, and the container's exec commands."""
 
-    def __init__(self, root: Path, extra_env: dict[str, str] | None = None, engine: dict | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        extra_env: dict[str, str] | None = None,
+        engine: dict | None = None,
+        drop_options: tuple[str, ...] = (),
+    ) -> None:
+        """`drop_options`: manifest options left out (another model-control mode than the manifest's)."""
         repository = make_repository(root, {MODEL: {"engine": engine or {}}})
         self.drain_file = root / "drain-request"
         http_port, grpc_port, metrics_port = free_ports(3)
@@ -70,6 +77,8 @@ class Pod:
         args = []
         for arg in CONTAINER["args"]:
             name = arg.split("=", 1)[0]
+            if name in drop_options:
+                continue
             assert "=" in arg or name not in replaced, f"write {name} as {name}=value in the manifest"
             args.append(f"{name}={replaced[name]}" if name in replaced else arg)
         install = launcher.find_triton()
@@ -228,6 +237,29 @@ def test_a_killed_stub_fails_the_probe_within_its_period(pod: Pod) -> None:
         failed = _fails_within(pod, name)
         assert failed is not None, f"{name} still passes with the stub dead"
         assert "0 of 1 stub process(es) running" in failed.stderr, failed.stderr
+
+
+def test_engine_failure_in_the_default_model_control_mode_fails_the_probe(
+    tmp_path: Path, demo_model_paths: dict
+) -> None:
+    """Without explicit model control a failed model stays loaded and READY (every request fails):
+    the probe reads the engine's own gauge. The same container otherwise."""
+    fault_file = tmp_path / "engine-fault"
+    pod = Pod(tmp_path, {FAULT_FILE_ENV: str(fault_file)}, drop_options=("--model-control-mode", "--load-model"))
+    try:
+        pod.server.wait_ready(timeout=600)
+        assert triton_command.parse(pod.command).model_control_mode == "none"
+        assert pod.probe("livenessProbe").returncode == 0
+        fault_file.touch()
+        failed = grpc_generate(pod.server.grpc_url, MODEL, prompt="fail", sampling=SHORT, stream=True, timeout=60)
+        assert failed.error is not None and "vLLM engine failed" in failed.error
+        for name in ("readinessProbe", "livenessProbe"):
+            result = _fails_within(pod, name)
+            assert result is not None, f"{name} still passes after the engine failed"
+            assert "its vLLM engine has failed" in result.stderr, result.stderr
+        assert model_ready(pod.server, MODEL)  # what an httpGet probe would have seen
+    finally:
+        pod.stop()
 
 
 def test_prestop_drains_streams_in_flight_and_the_server_exits_within_the_grace_period(
