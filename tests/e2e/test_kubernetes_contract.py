@@ -6,7 +6,8 @@ shipped LLM model on the tiny demo model), the ports and the drain file (free lo
 the backend directory the image has in /opt/tritonserver/backends. The probes' and the preStop
 hook's commands run exactly as written, with the container's environment, as the kubelet would.
 Checked: the probe commands pass on a healthy server and fail within their period after an engine
-failure or a killed stub; the preStop drain ends every stream in flight (completed or UNAVAILABLE)
+failure (the manifest's explicit model control, and the default mode, where the model stays READY)
+or a killed stub; the preStop drain ends every stream in flight (completed or UNAVAILABLE)
 and the server exits before the grace period; the HPA's series is on the metrics endpoint with the
 labels the adapter rule selects.
 """
