@@ -36,7 +36,10 @@ _NOTHING = object()  # queue wait timed out: time to sweep for cancellations
 # response path that is slower than the engine for good adds at most 16 of its steps to each
 # response's latency, and holds at most 16 steps of outputs in memory, instead of without limit.
 MAX_QUEUED_STEPS = 16
-BACKPRESSURE_LOG_SECONDS = 60.0  # log the engine's waiting at most this often
+# Log the engine's waiting at most this often, once it adds up to BACKPRESSURE_LOG_MIN_WAIT s
+# (short waits are the bound doing its job; a response path behind for good is worth a line).
+BACKPRESSURE_LOG_SECONDS = 60.0
+BACKPRESSURE_LOG_MIN_WAIT = 1.0
 
 
 class EventQueue:
@@ -117,12 +120,13 @@ class EventQueue:
     def _note_wait(self, started: float) -> None:
         now = time.monotonic()
         self.waited_seconds += now - started
-        if now - self._logged_at >= BACKPRESSURE_LOG_SECONDS:
+        unlogged = self.waited_seconds - self._logged_wait
+        if now - self._logged_at >= BACKPRESSURE_LOG_SECONDS and unlogged >= BACKPRESSURE_LOG_MIN_WAIT:
             logger.warning(
                 "responses fall behind the engine: %d steps queued, the engine thread waited %.2f s for the "
                 "response thread since the last report (backpressure; no output is dropped)",
                 self.max_steps,
-                self.waited_seconds - self._logged_wait,
+                unlogged,
             )
             self._logged_at, self._logged_wait = now, self.waited_seconds
 
