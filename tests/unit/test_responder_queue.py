@@ -135,8 +135,9 @@ def test_slow_response_path_makes_the_engine_wait_and_loses_or_reorders_nothing(
     engine.start()
     try:
         # The response thread holds one step in send(); two more are queued; the engine waits.
-        wait_for(lambda: server._events.waiting == 1)
-        assert server.queued_steps() == 2 and engine.is_alive()
+        wait_for(lambda: senders["a"].sending.is_set() and server._events.waiting == 1)
+        wait_for(lambda: server.queued_steps() == 2)  # the engine's wait ends only once the gate opens
+        assert server._events.waiting == 1 and engine.is_alive()
     finally:
         gate.set()
     engine.join(WAIT)
@@ -155,7 +156,7 @@ def test_stop_while_the_engine_waits_on_a_full_queue_and_the_sender_hangs_does_n
     engine = threading.Thread(target=lambda: [server.post(step("a", token)) for token in range(1000)])
     engine.start()
     try:
-        wait_for(lambda: server._events.waiting == 1)
+        wait_for(lambda: sender.sending.is_set() and server._events.waiting == 1)
         server.stop("unloading", timeout=0.2)  # the response thread is stuck in send(): stop gives up on it
         engine.join(WAIT)
         assert not engine.is_alive(), "the engine thread still waits on the queue after stop"
@@ -172,7 +173,7 @@ def test_stop_with_a_full_queue_sends_what_is_queued_then_one_final_and_frees_th
     server.start()
     engine = threading.Thread(target=lambda: [server.post(step("a", token)) for token in range(1000)])
     engine.start()
-    wait_for(lambda: server._events.waiting == 1)
+    wait_for(lambda: sender.sending.is_set() and server._events.waiting == 1)
     stopper = threading.Thread(target=server.stop, args=("unloading",))
     stopper.start()  # queues the stop behind the steps; does not wait for room
     gate.set()
@@ -198,7 +199,7 @@ def test_engine_death_after_queued_steps_ends_the_request_after_its_outputs() ->
 
     engine = threading.Thread(target=engine_run_then_die)
     engine.start()
-    wait_for(lambda: server._events.waiting == 1)
+    wait_for(lambda: sender.sending.is_set() and server._events.waiting == 1)
     gate.set()
     engine.join(WAIT)
     wait_for(lambda: server.in_flight() == 0)
