@@ -1,4 +1,4 @@
-"""Command line: `triton-vllm-multistep serve|drain|probe|build-demo-models|doctor`.
+"""Command line: `triton-vllm-multistep serve|drain|probe|install-backend|build-demo-models|doctor`.
 
 Owns argument parsing only; the work is in launcher, server_drain, probe and demo_models.
 """
@@ -60,6 +60,21 @@ def _probe(args: argparse.Namespace, rest: list[str]) -> int:
     return 0 if healthy else 1
 
 
+def _install_backend(args: argparse.Namespace, rest: list[str]) -> int:
+    try:
+        target = launcher.install_backend(args.backends_dir)
+    except launcher.LaunchError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"installed {target}")
+    # The installed model.py imports this package in the stub's Python: say so if that is not this one.
+    try:
+        launcher.system_stub(args.backends_dir / "python", f"{sys.version_info.major}.{sys.version_info.minor}")
+    except launcher.LaunchError as error:
+        print(f"warning: {error}", file=sys.stderr)
+    return 0
+
+
 def _build(args: argparse.Namespace, rest: list[str]) -> int:
     for name in args.names or sorted(demo_models.DEMO_MODELS):
         path = demo_models.build(name, args.output, force=args.force)
@@ -68,7 +83,11 @@ def _build(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _doctor(args: argparse.Namespace, rest: list[str]) -> int:
-    install = launcher.find_triton()
+    try:
+        install = launcher.find_triton()
+    except launcher.LaunchError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     print(f"tritonserver: {install.server}")
     print(f"python backend stub: {install.stub}")
     print(f"GPUs visible: {launcher.gpu_count()}")
@@ -106,6 +125,18 @@ def main(argv: list[str] | None = None) -> int:
     checks.add_argument("--timeout", type=float, default=probe.DEFAULT_TIMEOUT_SECONDS, help="seconds in all")
     checks.add_argument("--drain-file", default=None, help=f"the server's {DRAIN_FILE_ENV} (default: from the env)")
     checks.set_defaults(handler=_probe)
+    install = commands.add_parser(
+        "install-backend",
+        help=f"install the backend's entry point as <backends-dir>/{launcher.BACKEND_NAME}/model.py "
+        "(for running tritonserver directly, e.g. in NVIDIA's image)",
+    )
+    install.add_argument(
+        "--backends-dir",
+        type=Path,
+        default=launcher.SYSTEM_TRITON / "backends",
+        help="Triton's backends directory (default: %(default)s)",
+    )
+    install.set_defaults(handler=_install_backend)
     build = commands.add_parser("build-demo-models", help="build the local demo models")
     build.add_argument("names", nargs="*")
     build.add_argument("--output", type=Path, default=None)
