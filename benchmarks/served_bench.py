@@ -129,8 +129,8 @@ def offline_engine_process(steps: int, max_tokens: int) -> None:
     # Read before the build: vLLM's CPU platform sets OMP_NUM_THREADS while building.
     cores = torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") else len(os.sched_getaffinity(0))
     thread_counts = sorted({cores, max(1, cores - 1)}, reverse=True)
-    settings = backend_config.BackendSettings(stream_per_step=False)
-    engine = build_engine(backend_config.engine_args(engine_json(steps), SOURCE_MODEL, settings), stream_per_step=False)
+    settings = backend_config.BackendSettings(stream_mode="window")
+    engine = build_engine(backend_config.engine_args(engine_json(steps), SOURCE_MODEL, settings), stream_mode="window")
     # LLM.generate itself, on this engine (LLM() would build vLLM's CPU engine, which has no multi-step).
     llm = LLM.__new__(LLM)
     llm.llm_engine = engine

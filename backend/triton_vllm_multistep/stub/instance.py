@@ -16,10 +16,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from triton_vllm_multistep.lifecycle import drain, protocol, triton_command
-from triton_vllm_multistep.stub import codec, config
+from triton_vllm_multistep.stub import codec, config, triton_io
 from triton_vllm_multistep.stub.detokenization import window_decoder
 from triton_vllm_multistep.stub.device import instance_device_environment
 
@@ -99,7 +97,7 @@ class ModelServer:
         self._server_command = triton_command.of_process(os.getppid())
         torch_threads = serving_torch_threads()
         self.loop = EngineLoop(
-            lambda: build_engine(engine_args, stream_per_step=self.settings.stream_per_step), torch_threads
+            lambda: build_engine(engine_args, stream_mode=self.settings.stream_mode), torch_threads
         )
         self.engine = self.loop.start_engine()  # a failed build has ended the engine thread
         try:
@@ -151,7 +149,7 @@ class ModelServer:
             "drains for up to %.1f s on unload",
             model.model,
             self.engine.scheduler_config.num_scheduler_steps,
-            "step" if self.settings.stream_per_step else "scheduling window",
+            "step" if self.settings.stream_mode == "step" else "scheduling window",
             self.loop.torch_threads,
             self.drain.drain_seconds,
         )
@@ -167,14 +165,6 @@ class ModelServer:
             trust_remote_code=engine_args.trust_remote_code,
             revision=engine_args.tokenizer_revision,
         )
-
-    def _inputs(self, request: Any) -> dict[str, np.ndarray]:
-        inputs = {}
-        for name in INPUT_NAMES:
-            tensor = self._pb.get_input_tensor_by_name(request, name)
-            if tensor is not None:
-                inputs[name] = tensor.as_numpy()
-        return inputs
 
     def execute(self, requests: list[Any]) -> None:
         """Validate and enqueue; responses come from the responder thread."""
@@ -192,7 +182,7 @@ class ModelServer:
                 continue
             try:
                 generation = codec.decode_request(
-                    self._inputs(request),
+                    triton_io.input_arrays(self._pb, request, INPUT_NAMES),
                     request.parameters(),
                     self.limits,
                     encode=self._tokenizer.encode,
