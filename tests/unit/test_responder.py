@@ -8,7 +8,6 @@ here the thread runs as in the stub, fed with the engine events it gets there.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import fake_pb_utils as pb
@@ -18,6 +17,7 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from triton_vllm_multistep.engine.events import EngineDied, RequestFailed, StepOutputs
 from triton_vllm_multistep.stub.codec import GenerationRequest
 from triton_vllm_multistep.stub.responder import RequestState, Responder
+from triton_vllm_multistep.testing.polling import wait_for
 
 
 class Harness:
@@ -56,12 +56,7 @@ def harness() -> Iterator[Harness]:
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    return wait_for(condition, timeout, interval=0.01)
 
 
 def texts(sender: pb.ResponseSender) -> list[str]:
