@@ -1,4 +1,4 @@
-"""engine_factory: which engine and config each platform gets, and what multi-step refuses.
+"""engine/factory.py: which engine and config each platform gets, and what multi-step refuses.
 
 Owns the factory's contract checks; mocks only the CUDA platform branch, which cannot run here.
 """

@@ -1,4 +1,4 @@
-"""engine_loop: the engine thread builds the engine, owns its torch threads and drives it.
+"""engine/loop.py: the engine thread builds the engine, owns its torch threads and drives it.
 
 Runs the real CPU multi-step engine on the demo model; no Triton here (the e2e suites cover it).
 """

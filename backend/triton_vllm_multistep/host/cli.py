@@ -1,6 +1,6 @@
 """Command line: `triton-vllm-multistep serve|drain|build-demo-models|doctor`.
 
-Owns argument parsing only; the work is in launcher, server_drain and demo_models.
+Owns argument parsing only; the work is in host/launcher.py, lifecycle/server_drain.py and demo/models.py.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ class BackendSettings:
     # On engine failure, ask Triton to unload the model (works in explicit model-control mode).
     unload_on_engine_failure: bool = True
     # How long requests in flight may finish once Triton unloads the model or stops; None: derived
-    # from the server's --exit-timeout-secs (see drain.py).
+    # from the server's --exit-timeout-secs (see lifecycle/drain.py).
     unload_drain_seconds: float | None = None
 
 

@@ -1,7 +1,7 @@
 """One model instance: config → engine + engine thread + response thread; Triton's entry points.
 
 Owns wiring the pieces together and the Triton-facing lifecycle (auto-complete, initialize,
-execute, finalize); must not parse inputs (codec) or drive the engine (engine_loop).
+execute, finalize); must not parse inputs (codec) or drive the engine (engine/loop.py).
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ class ModelServer:
         try:
             # Triton refuses unloads outside explicit model control; a refused model-loader call takes
             # the 2.51 Python backend's error path for stub requests, the path that broke
-            # is_model_ready during a server stop (see drain.py), so it is not made.
+            # is_model_ready during a server stop (see lifecycle/drain.py), so it is not made.
             if mode not in (None, "explicit"):
                 raise RuntimeError(f"the server runs with --model-control-mode={mode}")
             self._pb.unload_model(self.model_name)
