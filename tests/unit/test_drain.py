@@ -302,9 +302,13 @@ def test_exit_timeout_of_falls_back_to_tritons_default() -> None:
 def test_the_process_tree_and_what_runs_in_it() -> None:
     shell = subprocess.Popen(["sh", "-c", "sleep 30 & wait"], start_new_session=True)
     try:
-        assert wait_for(lambda: len(procfs.children(shell.pid)) == 1, timeout=10, interval=0.01)
-        (sleeper,) = procfs.children(shell.pid)
-        assert procfs.cmdline(sleeper) == ["sleep", "30"]
+
+        def sleeping() -> list[int]:
+            # Until the forked child has exec'd sleep, its command line is still the shell's.
+            return [pid for pid in procfs.children(shell.pid) if procfs.cmdline(pid) == ["sleep", "30"]]
+
+        assert wait_for(lambda: len(sleeping()) == 1, timeout=10, interval=0.01)
+        (sleeper,) = sleeping()
         assert shell.pid in procfs.children(os.getpid()) and sleeper not in procfs.children(os.getpid())
         below = procfs.descendants(os.getpid())
         assert below.index(shell.pid) < below.index(sleeper)  # parents before children
