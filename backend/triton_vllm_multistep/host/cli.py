@@ -1,6 +1,7 @@
 """Command line: `triton-vllm-multistep serve|drain|probe|install-backend|build-demo-models|doctor`.
 
-Owns argument parsing only; the work is in launcher, server_drain, probe and demo_models.
+Owns argument parsing only; the work is in host/launcher.py, host/probe.py, lifecycle/server_drain.py
+and demo/models.py.
 """
 
 from __future__ import annotations

@@ -265,11 +265,17 @@ def sampling_params(fields: Mapping[str, Any], stream: bool, limits: ModelLimits
     return params
 
 
+def check_max_tokens(max_tokens: int, where: str) -> None:
+    """A request must ask for at least one token; `where` names the input or field for the error."""
+    if max_tokens < 1:
+        raise RequestError(f"{where} must be >= 1, got {max_tokens}")
+
+
 def _check_ranges(kwargs: dict[str, Any], model: ModelLimits) -> None:
     limits = model.limits
     max_tokens = kwargs.get("max_tokens")
-    if max_tokens is not None and max_tokens < 1:
-        raise RequestError(f"sampling_parameters.max_tokens must be >= 1, got {max_tokens}")
+    if max_tokens is not None:
+        check_max_tokens(max_tokens, "sampling_parameters.max_tokens")
     if limits.max_tokens:
         if max_tokens is None:
             # vLLM's default (16) must not exceed a smaller configured limit either.

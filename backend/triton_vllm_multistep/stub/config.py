@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.engine.events import STREAM_MODES, StreamMode
 
 logger = logging.getLogger("triton_vllm_multistep")
 MODEL_JSON = "model.json"
@@ -41,18 +42,19 @@ class Limits:
 class BackendSettings:
     """Everything the backend needs besides the engine arguments."""
 
-    stream_per_step: bool = True
+    # config.pbtxt `stream_mode`; model.json's `multi_step_stream_outputs` (vLLM's name) is an alias.
+    stream_mode: StreamMode = "step"
     cpu_kvcache_space_gib: int = 1
     enable_metrics: bool = True
     limits: Limits = dataclasses.field(default_factory=Limits)
     # On engine failure, ask Triton to unload the model (works in explicit model-control mode).
     unload_on_engine_failure: bool = True
     # How long requests in flight may finish once Triton unloads the model or stops; None: derived
-    # from the server's --exit-timeout-secs (see drain.py).
+    # from the server's --exit-timeout-secs (see lifecycle/drain.py).
     unload_drain_seconds: float | None = None
 
 
-def _parameter_values(model_config: dict[str, Any]) -> dict[str, str]:
+def parameter_values(model_config: dict[str, Any]) -> dict[str, str]:
     """config.pbtxt `parameters { key: ... value { string_value: ... } }` as a plain dict."""
     return {key: value.get("string_value", "") for key, value in (model_config.get("parameters") or {}).items()}
 
@@ -88,13 +90,13 @@ def _as_seconds(name: str, text: str) -> float:
 
 def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) -> BackendSettings:
     """Backend settings from config.pbtxt parameters; `stream_mode` may also follow model.json."""
-    params = _parameter_values(model_config)
-    stream_per_step = bool(engine_json.get("multi_step_stream_outputs", True))
+    params = parameter_values(model_config)
+    stream_mode: StreamMode = "step" if engine_json.get("multi_step_stream_outputs", True) else "window"
     if "stream_mode" in params:
         mode = params["stream_mode"].strip().lower()
-        if mode not in ("step", "window"):
+        if mode not in STREAM_MODES:
             raise ConfigError(f"config.pbtxt parameter 'stream_mode' must be 'step' or 'window', got {mode!r}")
-        stream_per_step = mode == "step"
+        stream_mode = mode
     defaults = Limits()
     limits = Limits(
         max_prompt_tokens=_as_int("max_prompt_tokens", params.get("max_prompt_tokens", "0")),
@@ -105,7 +107,7 @@ def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) 
         ),
     )
     return BackendSettings(
-        stream_per_step=stream_per_step,
+        stream_mode=stream_mode,
         cpu_kvcache_space_gib=_as_int("cpu_kvcache_space_gib", params.get("cpu_kvcache_space_gib", "1"), minimum=1),
         enable_metrics=_as_bool("enable_metrics", params.get("enable_metrics", "true")),
         limits=limits,
@@ -180,7 +182,7 @@ def engine_args(engine_json: dict[str, Any], model_dir: Path, settings: BackendS
         value = values.get(name)
         if isinstance(value, str) and value:
             values[name] = resolve_path(value, model_dir)
-    values["multi_step_stream_outputs"] = settings.stream_per_step
+    values["multi_step_stream_outputs"] = settings.stream_mode == "step"
     steps = values["num_scheduler_steps"]
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ConfigError(f"model.json: 'num_scheduler_steps' must be an integer >= 1, got {steps!r}")

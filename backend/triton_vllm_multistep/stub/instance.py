@@ -1,7 +1,7 @@
 """One model instance: config → engine + engine thread + response thread; Triton's entry points.
 
 Owns wiring the pieces together and the Triton-facing lifecycle (auto-complete, initialize,
-execute, finalize); must not parse inputs (codec) or drive the engine (engine_loop).
+execute, finalize); must not parse inputs (codec) or drive the engine (engine/loop.py).
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from triton_vllm_multistep.lifecycle import drain, protocol, triton_command
-from triton_vllm_multistep.stub import codec, config
+from triton_vllm_multistep.stub import codec, config, triton_io
 from triton_vllm_multistep.stub.detokenization import window_decoder
 from triton_vllm_multistep.stub.device import instance_device_environment
 
@@ -101,7 +99,7 @@ class ModelServer:
         self._server_command = triton_command.of_process(os.getppid())
         torch_threads = serving_torch_threads()
         self.loop = EngineLoop(
-            lambda: build_engine(engine_args, stream_per_step=self.settings.stream_per_step), torch_threads
+            lambda: build_engine(engine_args, stream_mode=self.settings.stream_mode), torch_threads
         )
         self.engine = self.loop.start_engine()  # a failed build has ended the engine thread
         try:
@@ -153,7 +151,7 @@ class ModelServer:
             "drains for up to %.1f s on unload",
             model.model,
             self.engine.scheduler_config.num_scheduler_steps,
-            "step" if self.settings.stream_per_step else "scheduling window",
+            "step" if self.settings.stream_mode == "step" else "scheduling window",
             self.loop.torch_threads,
             self.drain.drain_seconds,
         )
@@ -169,14 +167,6 @@ class ModelServer:
             trust_remote_code=engine_args.trust_remote_code,
             revision=engine_args.tokenizer_revision,
         )
-
-    def _inputs(self, request: Any) -> dict[str, np.ndarray]:
-        inputs = {}
-        for name in INPUT_NAMES:
-            tensor = self._pb.get_input_tensor_by_name(request, name)
-            if tensor is not None:
-                inputs[name] = tensor.as_numpy()
-        return inputs
 
     def execute(self, requests: list[Any]) -> None:
         """Validate and enqueue; responses come from the responder thread."""
@@ -194,7 +184,7 @@ class ModelServer:
                 continue
             try:
                 generation = codec.decode_request(
-                    self._inputs(request),
+                    triton_io.input_arrays(self._pb, request, INPUT_NAMES),
                     request.parameters(),
                     self.limits,
                     encode=self._tokenizer.encode,
@@ -254,7 +244,7 @@ class ModelServer:
         try:
             # Triton refuses unloads outside explicit model control; a refused model-loader call takes
             # the 2.51 Python backend's error path for stub requests, the path that broke
-            # is_model_ready during a server stop (see drain.py), so it is not made.
+            # is_model_ready during a server stop (see lifecycle/drain.py), so it is not made.
             if mode not in (None, "explicit"):
                 raise RuntimeError(f"the server runs with --model-control-mode={mode}")
             self._pb.unload_model(self.model_name)

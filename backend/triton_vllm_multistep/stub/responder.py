@@ -17,7 +17,7 @@ from typing import Any
 
 from triton_vllm_multistep.engine.events import EngineDied, EngineEvent, RequestFailed, StepOutputs
 from triton_vllm_multistep.lifecycle.protocol import ENSEMBLE_CATCH_UP_SECONDS
-from triton_vllm_multistep.stub import codec
+from triton_vllm_multistep.stub import codec, triton_io
 
 logger = logging.getLogger(__name__)
 CANCEL_SWEEP_SECONDS = 0.05
@@ -227,7 +227,7 @@ class Responder:
             return list(self._states)
 
     def error_response(self, message: str, code: Any) -> Any:
-        return self._pb.InferenceResponse(error=self._pb.TritonError(message, code))
+        return triton_io.error_response(self._pb, message, code)
 
     def send_error(self, sender: Any, message: str, code: Any) -> None:
         """One error response flagged FINAL, to a request that never got into the engine."""
@@ -299,9 +299,7 @@ class Responder:
             finished = output.finished
             try:
                 arrays = codec.encode_response(output, state.request, state.first, self.window_decode)
-                response = self._pb.InferenceResponse(
-                    output_tensors=[self._pb.Tensor(name, array) for name, array in arrays.items()]
-                )
+                response = triton_io.response(self._pb, arrays)
             except Exception as error:
                 logger.exception("could not encode response for %s", output.request_id)
                 self._abort(output.request_id)
