@@ -148,7 +148,7 @@ def apply_config_engine_args(engine_json: dict[str, Any], model_config: dict[str
     CUDA needs FlashAttention, hence fp16/bf16). The parameter holds a JSON object of engine
     arguments; each field it sets wins over model.json's for that config, and is logged.
     """
-    text = _parameter_values(model_config).get(ENGINE_ARGS_PARAMETER, "").strip()
+    text = parameter_values(model_config).get(ENGINE_ARGS_PARAMETER, "").strip()
     if not text:
         return engine_json
     try:
