@@ -197,7 +197,7 @@ class FakePbUtils:
             def __init__(self, name: str, description: str, kind: str) -> None:
                 self.name, self.kind = name, kind
 
-            def Metric(self, labels: dict, buckets: list | None = None) -> FakeMetric:  # noqa: N802 (pb_utils' name)
+            def Metric(self, labels: dict, buckets: list | None = None) -> FakeMetric:
                 key = (self.name, tuple(sorted(labels.items())))
                 return registry.setdefault(key, FakeMetric(self.kind, buckets))
 

@@ -109,8 +109,15 @@ class ModelServer:
         )
         self.engine = self.loop.start_engine()  # a failed build has ended the engine thread
         try:
-            self._tokenizer = self._load_tokenizer(engine_args)
             model = self.engine.model_config
+            if str(model.dtype) == "torch.float16" and self.engine.device_config.device_type == "cpu":
+                # vLLM's "auto" turns float32 checkpoints into float16, which its CPU kernels lack: the
+                # first request would kill the engine ("reshape_and_cache_cpu_impl" not implemented for 'Half').
+                raise config.ConfigError(
+                    f"model.json 'dtype' ({engine_args.dtype!r}) resolves to float16, which vLLM cannot run on "
+                    'CPU: set "dtype": "float32" or "bfloat16"'
+                )
+            self._tokenizer = self._load_tokenizer(engine_args)
             tokenizer_vocab = getattr(self._tokenizer, "max_token_id", len(self._tokenizer) - 1) + 1
             self.limits = codec.ModelLimits(
                 vocab_size=min(model.get_vocab_size(), tokenizer_vocab),

@@ -247,22 +247,29 @@ class BackendMetrics:
         (tokens, sequences) of best_of candidates the engine generated and did not return; vLLM
         counts them as generated tokens.
         """
-        counts = [(index, count) for index, count in tokens_per_completion if count]
-        unreturned_tokens, unreturned_sequences = unreturned
-        tokens = sum(count for _, count in counts)
         if timing.first_token_at is None:
-            if tokens or finished:
+            tokens_per_completion = [(index, count) for index, count in tokens_per_completion if count]
+            if tokens_per_completion or finished:
                 self._prompt_pending += timing.prompt_tokens
-            if tokens:
+            if tokens_per_completion:
                 timing.first_token_at = now if engine_first_token is None else min(now, engine_first_token)
         first = timing.first_token_at
-        for index, count in counts:
-            previous = timing.last_token_at.get(index)
-            # A sequence's first token is time to first token, not time per output token.
-            gaps = count if previous is not None else count - 1
-            if gaps > 0 and first is not None:
-                self._tpot.observe(max(0.0, now - (previous if previous is not None else first)) / gaps, gaps)
-            timing.last_token_at[index] = now
+        last_token_at = timing.last_token_at
+        observe = self._tpot.observe
+        tokens = 0
+        for index, count in tokens_per_completion:
+            if not count:
+                continue
+            tokens += count
+            previous = last_token_at.get(index)
+            if previous is None:
+                previous, gaps = first, count - 1  # a sequence's first token is time to first token
+            else:
+                gaps = count
+            if gaps > 0:
+                observe(max(0.0, now - previous) / gaps, gaps)
+            last_token_at[index] = now
+        unreturned_tokens, unreturned_sequences = unreturned
         if unreturned_tokens and first is not None:
             gaps = unreturned_tokens - unreturned_sequences
             if gaps > 0:
