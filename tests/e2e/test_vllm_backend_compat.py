@@ -279,7 +279,8 @@ def test_two_instances_add_up_on_one_series_with_their_labels(compat_server) -> 
         assert value(text, "vllm:gpu_cache_usage_perc", "two_instances") == pytest.approx(0.0, abs=1e-9)
     finally:
         unload(compat_server, "two_instances")
-    assert vllm_lines(scrape(compat_server), "two_instances") == []
+    # Not ready comes at the unload's start; the instances' series go once both have finalized.
+    assert wait_for(lambda: vllm_lines(scrape(compat_server), "two_instances") == [], timeout=120)
 
 
 def test_after_an_engine_failure_the_model_is_not_ready_when_the_error_arrives(compat_server) -> None:
