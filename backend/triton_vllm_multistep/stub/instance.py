@@ -103,6 +103,11 @@ class ModelServer:
         )
         # The stub is a child of tritonserver: its command line says how it runs.
         self._server_command = triton_command.of_process(os.getppid())
+        endpoint = self._server_command.http_endpoint if self._server_command else None
+        # Asked after an engine failure, until the server reports this model not ready.
+        self._readiness = (
+            drain.HttpReadiness(endpoint, self.model_name, str(args.get("model_version", "1"))) if endpoint else None
+        )
         torch_threads = serving_torch_threads()
         self.loop = EngineLoop(
             lambda: build_engine(engine_args, stream_per_step=self.settings.stream_per_step), torch_threads
@@ -232,6 +237,7 @@ class ModelServer:
                     time.time(),
                     len(generation.prompt_token_ids),
                     generation.stream,
+                    # With best_of > n, vLLM's SamplingParams keeps the client's n in _real_n.
                     n=generation.sampling_params._real_n or generation.sampling_params.n,
                 )
             if not self.responder.register(engine_id, RequestState(sender=sender, request=generation, timing=timing)):
@@ -266,7 +272,7 @@ class ModelServer:
             return
         unload: dict[str, bool] = {}  # "requested": True / False once Triton was asked
         threading.Thread(target=self._unload_self, args=(message, unload), name="vllm-self-unload", daemon=True).start()
-        is_ready = getattr(getattr(self, "drain", None), "_is_ready", None)
+        is_ready = self._readiness
         deadline = time.monotonic() + NOT_READY_WAIT_SECONDS
         while time.monotonic() < deadline and unload.get("requested") is not False:
             if is_ready is not None and unload.get("requested") and is_ready() is not True:
