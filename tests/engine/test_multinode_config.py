@@ -40,7 +40,7 @@ def test_model_json_ray_executor_and_tensor_parallel_reach_engine_args(demo_mode
 
 def test_cpu_host_refuses_tensor_parallel_with_the_reason(demo_model_paths: dict) -> None:
     with pytest.raises(EngineBuildError, match="tensor_parallel_size and pipeline_parallel_size must be 1"):
-        cpu_multistep_config(_engine_args(MULTI_NODE), stream_per_step=True)
+        cpu_multistep_config(_engine_args(MULTI_NODE), stream_mode="step")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is not None, reason="Ray installed: vLLM's CPU platform uses mp")
@@ -48,4 +48,4 @@ def test_cpu_host_without_ray_refuses_the_ray_executor(demo_model_paths: dict) -
     """vLLM 0.8.5 checks Ray is importable when the config asks for it (Ray is an optional extra here)."""
     single = _engine_args(MULTI_NODE | {"tensor_parallel_size": 1, "dtype": "float32"})
     with pytest.raises(ValueError, match="install Ray"):
-        cpu_multistep_config(single, stream_per_step=True)
+        cpu_multistep_config(single, stream_mode="step")

@@ -32,6 +32,8 @@ class StepOutputs:
     forward_seconds: float = 0.0
     forward_end: float | None = None
     new_window: bool = False
+    # Finished best_of requests: request id → (tokens, sequences) of candidates not returned.
+    unreturned: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

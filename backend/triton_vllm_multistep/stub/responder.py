@@ -292,6 +292,7 @@ class Responder:
                 self.fail(request_id, event.message, self._pb.TritonError.UNAVAILABLE)
 
     def _send_outputs(self, event: StepOutputs) -> None:
+        ready: list[tuple[Any, RequestState, Any, bool]] = []
         for output in event.outputs:
             state = self._states.get(output.request_id)
             if state is None:
@@ -311,6 +312,10 @@ class Responder:
             if finished:
                 with self._lock:
                     self._states.pop(output.request_id, None)
+            ready.append((output, state, response, finished))
+        if self._observer is not None:
+            self._observe(event, ready)
+        for output, state, response, finished in ready:
             try:
                 state.sender.send(response, flags=self._final if finished else 0)
             except Exception:
@@ -319,21 +324,44 @@ class Responder:
                     self._abort(output.request_id)
                     with self._lock:
                         self._states.pop(output.request_id, None)
-            if self._observer is not None and state.timing is not None:
-                engine_first = None
-                if not state.request.stream and output.metrics is not None:
-                    engine_first = getattr(output.metrics, "first_token_time", None)
-                tokens = sum(len(c.token_ids) for c in output.outputs)
-                self._observer.on_response(state.timing, tokens, finished, time.time(), engine_first)
         if self._observer is not None:
             self._observer.on_step(event, time.perf_counter())
+
+    def _observe(self, event: StepOutputs, ready: list[tuple[Any, RequestState, Any, bool]]) -> None:
+        """Record the responses about to be sent; flush first if any is a FINAL.
+
+        A client that scrapes the metrics once it has its FINAL must find its request counted, so
+        the flush comes before the sends (one flush for all FINALs of the step).
+        """
+        now = time.time()
+        finals = False
+        for output, state, _, finished in ready:
+            if state.timing is None:
+                continue
+            engine_first = None
+            if not state.request.stream and output.metrics is not None:
+                engine_first = getattr(output.metrics, "first_token_time", None)
+            self._observer.on_response(
+                state.timing,
+                [(c.index, len(c.token_ids)) for c in output.outputs],
+                finished,
+                now,
+                engine_first,
+                event.unreturned.get(output.request_id, (0, 0)) if finished else (0, 0),
+            )
+            finals = finals or finished
+        if finals:
+            try:
+                self._observer.flush()
+            except Exception:
+                logger.exception("flushing metrics failed")
 
     def _cancelled(self, request_id: str, state: RequestState, now: float) -> bool:
         state.last_cancel_check = now
         if not state.sender.is_cancelled():
             return False
         self._abort(request_id)
-        self.fail(request_id, "request cancelled by the client", self._pb.TritonError.CANCELLED)
+        self.fail(request_id, "Request was cancelled by the client", self._pb.TritonError.CANCELLED)
         return True
 
     def _sweep_cancelled(self) -> None:
