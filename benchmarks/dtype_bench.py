@@ -85,7 +85,7 @@ def hf_greedy(path: str) -> list[list[int]]:
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
-    for index, (x, y) in enumerate(zip(a, b)):
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return index
     return None if len(a) == len(b) else min(len(a), len(b))
@@ -103,7 +103,7 @@ def main() -> None:
     print(f"model {path}; cpu count {os.cpu_count()}; {args.rounds} rounds of {args.max_tokens} tokens per stream")
     with open("/proc/cpuinfo") as cpuinfo:
         flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
-    print(f"CPU flags: avx512f={'avx512f' in flags} avx512_bf16={'avx512_bf16' in flags} amx_bf16={'amx_bf16' in flags}")
+    print("CPU flags: " + " ".join(f"{flag}={flag in flags}" for flag in ("avx512f", "avx512_bf16", "amx_bf16")))
     context = mp.get_context("spawn")
     workers: dict[str, tuple[mp.Process, Connection]] = {}
     loaded: dict[str, dict] = {}
@@ -145,13 +145,14 @@ def main() -> None:
     print("  batch " + "".join(f"{dtype:>12}" for dtype in DTYPES) + "   bf16/fp32")
     for batch in BATCHES:
         medians = [statistics.median(rates[(dtype, batch)]) for dtype in DTYPES]
-        print(f"  {batch:>5} " + "".join(f"{value:>12.1f}" for value in medians) + f"   {medians[1] / medians[0]:>9.2f}")
+        ratio = medians[1] / medians[0]
+        print(f"  {batch:>5} " + "".join(f"{value:>12.1f}" for value in medians) + f"   {ratio:>9.2f}")
     print("\nengine process RSS (GB), after load / at the end:")
     for dtype in DTYPES:
         print(f"  {dtype:>9}: {loaded[dtype]['rss_gb']:.2f} / {final_rss[dtype]:.2f}")
     print(f"\ngreedy tokens ({len(CHECK_PROMPTS)} prompts, {CHECK_TOKENS} tokens) against HF transformers fp32:")
     for dtype in DTYPES:
-        diffs = [first_difference(ours, ref) for ours, ref in zip(greedy[dtype], reference)]
+        diffs = [first_difference(ours, ref) for ours, ref in zip(greedy[dtype], reference, strict=True)]
         same = sum(d is None for d in diffs)
         where = ", ".join(f"prompt {i}: token {d}" for i, d in enumerate(diffs) if d is not None)
         print(f"  {dtype:>9}: {same}/{len(diffs)} identical" + (f" (first difference: {where})" if where else ""))

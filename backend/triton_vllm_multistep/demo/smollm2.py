@@ -73,9 +73,9 @@ class DemoModelError(ValueError):
     """The real demo model cannot be provided; the message says what to run."""
 
 
-def gguf_path(package: str = PACKAGE) -> Path:
+def gguf_path(package: str | None = None) -> Path:
     """The GGUF file inside the installed package (found without importing the package)."""
-    spec = importlib.util.find_spec(package)
+    spec = importlib.util.find_spec(package or PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise DemoModelError(
             f"demo://{NAME} needs the Python package {PACKAGE_PIN.replace('==', ' ')} (not installed): {SETUP_HINT}"
@@ -184,7 +184,7 @@ def convert(gguf: Path, folder: Path) -> None:
     _write_model(gguf, folder)
 
 
-def build(root: Path, force: bool = False, package: str = PACKAGE) -> Path:
+def build(root: Path, force: bool = False, package: str | None = None) -> Path:
     """The verified model folder under `root`, converted from the package's GGUF file if missing or corrupt."""
     target = root / NAME
     if not force and cache_problem(target) is None:
