@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -159,23 +158,23 @@ def test_sampling_settings_give_the_same_tokens_at_steps_1_and_8(
             assert not any(stop in eight.text() for stop in sampling["stop"])
 
 
-def test_a_missing_model_package_is_a_load_error_saying_what_to_run(tmp_path: Path) -> None:
-    """No package (a stand-in without its GGUF file shadows it) and no cache: the model does not
-    load, and the server log says why and what to run, without a Python traceback."""
-    stand_in = tmp_path / "site" / smollm2.PACKAGE
-    stand_in.mkdir(parents=True)
-    (stand_in / "__init__.py").write_text("")
+def test_a_model_that_cannot_be_provided_is_a_load_error_saying_what_to_run(tmp_path: Path) -> None:
+    """No cached conversion and no GGUF file: the model does not load, and Triton's load error
+    (log and model status) says why and what to run, listing no frames of the code that found it."""
+    cache = tmp_path / "cache" / "demo-models" / demo_models.BUILD_VERSION
+    cache.mkdir(parents=True)
+    for name in demo_models.DEMO_MODELS:  # the launcher builds the tiny ones first: reuse them
+        (cache / name).symlink_to(demo_models.build(name))
     repository = make_repository(tmp_path, {LLM_MODEL: {"engine": {"model": REAL_MODEL}}})
     log = tmp_path / "tritonserver.log"
-    python_path = os.pathsep.join([str(tmp_path / "site"), *filter(None, [os.environ.get("PYTHONPATH")])])
-    server = start_server(
-        repository, log, env={"TRITON_VLLM_MULTISTEP_CACHE": str(tmp_path / "cache"), "PYTHONPATH": python_path}
-    )
+    env = {"TRITON_VLLM_MULTISTEP_CACHE": str(tmp_path / "cache"), smollm2.GGUF_ENV: str(tmp_path / "no.gguf")}
+    server = start_server(repository, log, env=env)
     try:
         with pytest.raises(RuntimeError, match="server exited"):
             server.wait_ready(timeout=300)
     finally:
         server.stop()
     text = log.read_text(errors="replace")
-    assert f"{smollm2.GGUF_FILE} is missing" in text and "run scripts/setup.sh" in text, text[-3000:]
-    assert "Traceback" not in text, text[-3000:]
+    load_errors = [line for line in text.splitlines() if "failed to load 'vllm_model' version 1" in line]
+    assert load_errors and "no.gguf" in load_errors[0] and "run scripts/setup.sh" in load_errors[0], text[-3000:]
+    assert "DemoModelError" in text and "smollm2.py(" not in text and "config.py(" not in text, text[-3000:]

