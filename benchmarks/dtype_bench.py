@@ -29,7 +29,6 @@ CHECK_PROMPTS = [
     "def fibonacci(n):",
     "The three primary colours are",
 ]
-CHECK_TOKENS = 32
 
 
 def _prompt_ids(tokenizer, prompt) -> list[int]:
@@ -39,7 +38,7 @@ def _prompt_ids(tokenizer, prompt) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def engine_worker(dtype: str, path: str, max_tokens: int, conn: Connection) -> None:
+def engine_worker(dtype: str, path: str, max_tokens: int, check_tokens: int, conn: Connection) -> None:
     """One vLLM engine of `dtype`; answers ("run", batch) with seconds and ("greedy",) with token ids."""
     os.environ.setdefault("VLLM_USE_V1", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # 32 streams of ~80 tokens need ~0.1 GiB
@@ -61,14 +60,14 @@ def engine_worker(dtype: str, path: str, max_tokens: int, conn: Connection) -> N
             conn.send({"seconds": seconds, "tokens": sum(len(o.outputs[0].token_ids) for o in outputs)})
         elif message[0] == "greedy":
             prompts = [TokensPrompt(prompt_token_ids=_prompt_ids(tokenizer, p)) for p in CHECK_PROMPTS]
-            outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=CHECK_TOKENS), use_tqdm=False)
+            outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=check_tokens), use_tqdm=False)
             conn.send([list(o.outputs[0].token_ids) for o in outputs])
         else:
             conn.send({"rss_gb": psutil.Process().memory_info().rss / 1e9})
             return
 
 
-def hf_greedy(path: str) -> list[list[int]]:
+def hf_greedy(path: str, check_tokens: int) -> list[list[int]]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -78,7 +77,7 @@ def hf_greedy(path: str) -> list[list[int]]:
     for prompt in CHECK_PROMPTS:
         ids = torch.tensor([_prompt_ids(tokenizer, prompt)])
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=CHECK_TOKENS, do_sample=False, pad_token_id=2
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=check_tokens, do_sample=False, pad_token_id=2
         )
         results.append(out[0, ids.shape[1] :].tolist())
     return results
@@ -94,7 +93,8 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per stream in the speed runs")
+    parser.add_argument("--check-tokens", type=int, default=32, help="greedy tokens compared with HF per prompt")
     args = parser.parse_args()
     from triton_vllm_multistep.demo import models as demo_models
     from triton_vllm_multistep.demo import smollm2
@@ -109,7 +109,8 @@ def main() -> None:
     loaded: dict[str, dict] = {}
     for dtype in DTYPES:  # one at a time: loading is the most memory- and CPU-hungry part
         parent, child = context.Pipe()
-        process = context.Process(target=engine_worker, args=(dtype, path, args.max_tokens, child), daemon=True)
+        worker_args = (dtype, path, args.max_tokens, args.check_tokens, child)
+        process = context.Process(target=engine_worker, args=worker_args, daemon=True)
         process.start()
         workers[dtype] = (process, parent)
         loaded[dtype] = parent.recv()
@@ -141,7 +142,7 @@ def main() -> None:
         for process, _ in workers.values():
             if process.is_alive():
                 process.kill()
-    reference = hf_greedy(path)
+    reference = hf_greedy(path, args.check_tokens)
 
     print("\ndecode tokens/s (median of rounds; all streams together):")
     print("  batch " + "".join(f"{dtype:>12}" for dtype in DTYPES) + "   bf16/fp32")
@@ -152,7 +153,7 @@ def main() -> None:
     print("\nengine process RSS (GB), after load / at the end:")
     for dtype in DTYPES:
         print(f"  {dtype:>9}: {loaded[dtype]['rss_gb']:.2f} / {final_rss[dtype]:.2f}")
-    print(f"\ngreedy tokens ({len(CHECK_PROMPTS)} prompts, {CHECK_TOKENS} tokens) against HF transformers fp32:")
+    print(f"\ngreedy tokens ({len(CHECK_PROMPTS)} prompts, {args.check_tokens} tokens) against HF transformers fp32:")
     for dtype in DTYPES:
         diffs = [first_difference(ours, ref) for ours, ref in zip(greedy[dtype], reference, strict=True)]
         same = sum(d is None for d in diffs)
