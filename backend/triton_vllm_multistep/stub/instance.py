@@ -16,11 +16,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from triton_vllm_multistep.demo.smollm2 import DemoModelError
 from triton_vllm_multistep.lifecycle import drain, protocol, triton_command
 from triton_vllm_multistep.stub import codec, config, triton_io
 from triton_vllm_multistep.stub.detokenization import window_decoder
 from triton_vllm_multistep.stub.device import gpu_count, instance_device_environment
 
+# Load errors caused by settings or set-up, not by a bug: their message is all a user needs.
+SETTINGS_ERRORS = (config.ConfigError, DemoModelError)
 logger = logging.getLogger("triton_vllm_multistep")
 if not logger.handlers:  # the stub's stderr is Triton's log; say who is speaking
     _handler = logging.StreamHandler()
