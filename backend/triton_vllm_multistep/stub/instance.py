@@ -75,7 +75,7 @@ class ModelServer:
     """Everything one Triton model instance runs."""
 
     def __init__(self, pb_utils: Any, args: dict[str, str]) -> None:
-        from triton_vllm_multistep.engine.factory import build_engine, serving_torch_threads
+        from triton_vllm_multistep.engine.factory import EngineBuildError, build_engine, serving_torch_threads
         from triton_vllm_multistep.engine.loop import EngineLoop
         from triton_vllm_multistep.stub.responder import Responder
 
@@ -103,7 +103,11 @@ class ModelServer:
         self.loop = EngineLoop(
             lambda: build_engine(engine_args, stream_per_step=self.settings.stream_per_step), torch_threads
         )
-        self.engine = self.loop.start_engine()  # a failed build has ended the engine thread
+        try:
+            self.engine = self.loop.start_engine()  # a failed build has ended the engine thread
+        except EngineBuildError as error:
+            # Settings this backend refuses: a load error naming them, not a trace into the engine.
+            raise config.ConfigError(f"model {self.model_name}: {error}") from None
         try:
             self._tokenizer = self._load_tokenizer(engine_args)
             model = self.engine.model_config
@@ -274,6 +278,8 @@ class ModelServer:
 
     def close(self) -> None:
         self.drain.stop()
+        # The engine thread ends by releasing remote (tensor-parallel) workers from their execution
+        # loop: a worker still in it never reads the executor's shutdown request.
         self.loop.stop()
         self.responder.stop(protocol.UNLOADING_MESSAGE)
         if self.metrics is not None:
