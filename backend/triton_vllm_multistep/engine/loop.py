@@ -53,7 +53,7 @@ def settle_idle_engine(engine: LLMEngine) -> list[RequestOutput]:
     """Bring an engine with no unfinished requests to rest; returns outputs that produced (usually none).
 
     Ends a scheduling window left open (vLLM would otherwise run its remaining steps in front of
-    the next request; engines that close their own windows have no `close_window`), then stops
+    the next request), then stops
     the remote workers' execution loop (tensor parallel: they busy-wait for the next step
     otherwise); the latter is a no-op with no remote workers or no loop running.
     """
