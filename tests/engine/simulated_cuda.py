@@ -9,6 +9,8 @@ attention backend choice, MultiStepModelRunner's checks), never kernels or worke
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import sys
 import types
 from collections.abc import Iterator
@@ -16,11 +18,38 @@ from collections.abc import Iterator
 import pytest
 
 
+def _clear_vllm_function_caches() -> None:
+    """Drop every module-level functools cache of vLLM: several cache platform answers
+    (`vllm.utils.is_pin_memory_available`, the attention selector, ...) and must not carry a
+    simulated CUDA answer out of the simulation, nor a CPU answer into it."""
+    for name, module in list(sys.modules.items()):
+        if not (name == "vllm" or name.startswith("vllm.")) or not isinstance(module, types.ModuleType):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, functools._lru_cache_wrapper):  # functools.cache and lru_cache
+                value.cache_clear()
+
+
+# Modules that register torch custom ops for `current_platform.dispatch_key` when first imported
+# (vllm.utils.direct_register_custom_op), or import such modules: imported under the real platform
+# first, or the simulation would register them for CUDA only and break later CPU engines.
+_IMPORT_BEFORE = (
+    "vllm.attention.layer",
+    "vllm.distributed.parallel_state",
+    "vllm.model_executor.layers.fused_moe",
+    "vllm.model_executor.models.llama",
+    "vllm.worker.model_runner",
+    "vllm.worker.multi_step_model_runner",
+    "vllm.worker.multi_step_worker",
+)
+
+
 @contextlib.contextmanager
 def simulated_cuda(capability: tuple[int, int] = (9, 0)) -> Iterator[object]:
     """vLLM sees a CUDA GPU of `capability` inside the block; its CPU platform again after."""
+    for name in _IMPORT_BEFORE:
+        importlib.import_module(name)
     import vllm.platforms
-    from vllm.attention.selector import _cached_get_attn_backend
     from vllm.platforms.cuda import CudaPlatformBase  # imports vllm._C and pynvml only
     from vllm.platforms.interface import DeviceCapability
 
@@ -75,11 +104,11 @@ def simulated_cuda(capability: tuple[int, int] = (9, 0)) -> Iterator[object]:
             setattr(xformers["xformers.ops.fmha.attn_bias"], name, type(name, (), {}))
         for name, module in xformers.items():
             patch.setitem(sys.modules, name, module)
-        _cached_get_attn_backend.cache_clear()  # its key does not include the platform
+        _clear_vllm_function_caches()
         try:
             yield fake
         finally:
-            _cached_get_attn_backend.cache_clear()
+            _clear_vllm_function_caches()
             # Modules first imported inside the block bound the simulated platform: rebind them.
             # (Module dicts only: vllm.platforms serves current_platform from a module __getattr__.)
             for module in list(sys.modules.values()):
