@@ -157,9 +157,12 @@ def window_dead(engine: LLMEngine) -> bool:
     that schedule's requests are alive.
     """
     cached = engine.cached_scheduler_outputs[0]
-    if engine._skip_scheduling_next_step or cached.scheduler_outputs is None or not window_open(engine):
+    if engine._skip_scheduling_next_step or cached.scheduler_outputs is None:
         return False
-    return all(scheduled.seq_group.is_finished() for scheduled in cached.scheduler_outputs.scheduled_seq_groups)
+    # Cheapest test first (it stops at the first live request, the common case): runs every step.
+    if not all(scheduled.seq_group.is_finished() for scheduled in cached.scheduler_outputs.scheduled_seq_groups):
+        return False
+    return window_open(engine)
 
 
 def close_dead_window(engine: LLMEngine, step: Any = None) -> list[Any] | None:
