@@ -1,4 +1,4 @@
-"""engine_factory: which engine and config each platform gets, and what multi-step refuses.
+"""engine/factory.py: which engine and config each platform gets, and what multi-step refuses.
 
 Owns the factory's contract checks; mocks only the CUDA platform branch, which cannot run here.
 """
@@ -67,7 +67,7 @@ def test_tensor_parallel_refusal_reason_still_holds() -> None:
 def test_cpu_config_carries_the_multi_step_settings(demo_path: str) -> None:
     args = _args(demo_path, steps=8)
     before = dataclasses.asdict(args)
-    config = cpu_multistep_config(args, stream_per_step=False)
+    config = cpu_multistep_config(args, stream_mode="window")
     assert dataclasses.asdict(args) == before  # the caller's arguments are left alone
     scheduler = config.scheduler_config
     assert scheduler.num_scheduler_steps == 8
@@ -80,7 +80,7 @@ def test_cpu_config_carries_the_multi_step_settings(demo_path: str) -> None:
 
 def test_cpu_refuses_a_foreign_worker(demo_path: str) -> None:
     with pytest.raises(EngineBuildError, match="worker_cls"):
-        cpu_multistep_config(_args(demo_path, worker_cls="vllm.worker.cpu_worker.CPUWorker"), stream_per_step=True)
+        cpu_multistep_config(_args(demo_path, worker_cls="vllm.worker.cpu_worker.CPUWorker"), stream_mode="step")
 
 
 def test_single_step_on_cpu_is_vllms_engine(demo_path: str) -> None:
@@ -90,7 +90,7 @@ def test_single_step_on_cpu_is_vllms_engine(demo_path: str) -> None:
 
 
 def test_multi_step_on_cpu_is_ours(demo_path: str) -> None:
-    engine = build_engine(_args(demo_path, steps=4), stream_per_step=True)
+    engine = build_engine(_args(demo_path, steps=4), stream_mode="step")
     assert isinstance(engine, CPUMultiStepEngine)
     assert engine.scheduler_config.num_scheduler_steps == 4
     assert engine.driver_worker().model_runner.step_output_callback is not None
@@ -112,7 +112,7 @@ def test_model_class_is_inspected_in_process_not_in_a_subprocess(demo_path: str,
 
     monkeypatch.setattr(registry, "_run_in_subprocess", no_subprocess)
     registry._try_inspect_model_cls.cache_clear()
-    config = cpu_multistep_config(_args(demo_path), stream_per_step=True)
+    config = cpu_multistep_config(_args(demo_path), stream_mode="step")
     assert config.model_config.architectures == ["LlamaForCausalLM"]
     assert config.model_config.runner_type == "generate"
 

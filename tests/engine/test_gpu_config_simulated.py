@@ -70,7 +70,7 @@ def _engine_args(path: Path, overrides: dict[str, Any] | None = None) -> tuple[E
     return config.engine_args(engine_json, model_dir, settings), settings
 
 
-def _build_config(monkeypatch: pytest.MonkeyPatch, args: EngineArgs, stream_per_step: bool = True) -> VllmConfig:
+def _build_config(monkeypatch: pytest.MonkeyPatch, args: EngineArgs, stream_mode: str = "step") -> VllmConfig:
     """build_engine up to the point where vLLM would start building workers; the config it built."""
     built: list[VllmConfig] = []
 
@@ -79,7 +79,7 @@ def _build_config(monkeypatch: pytest.MonkeyPatch, args: EngineArgs, stream_per_
         built.append(vllm_config)
 
     monkeypatch.setattr(WindowClosingEngine, "from_vllm_config", classmethod(capture))
-    build_engine(args, stream_per_step=stream_per_step)
+    build_engine(args, stream_mode=stream_mode)
     (vllm_config,) = built
     return vllm_config
 
@@ -107,11 +107,11 @@ def test_every_shipped_gpu_config_gets_an_engine_config_vllms_multi_step_runner_
 ) -> None:
     args, settings = _engine_args(path)
     with simulated_cuda():
-        vllm_config = _build_config(monkeypatch, args, settings.stream_per_step)
+        vllm_config = _build_config(monkeypatch, args, settings.stream_mode)
         assert vllm_config.device_config.device.type == "cuda"
         scheduler = vllm_config.scheduler_config
         assert scheduler.is_multi_step and scheduler.num_scheduler_steps == args.num_scheduler_steps > 1
-        assert scheduler.multi_step_stream_outputs is settings.stream_per_step
+        assert scheduler.multi_step_stream_outputs is (settings.stream_mode == "step")
         assert not scheduler.chunked_prefill_enabled
         assert vllm_config.parallel_config.worker_cls == MULTI_STEP_WORKER
         assert chosen_attention_backend(vllm_config) in ("FLASH_ATTN", "FLASHINFER")
@@ -198,5 +198,5 @@ def test_forward_pass_hooks_are_used_on_cpu_only(monkeypatch: pytest.MonkeyPatch
     with simulated_cuda():
         gpu_config = _build_config(monkeypatch, _small(args))
     assert not module_hooks_time_the_forward_pass(types.SimpleNamespace(device_config=gpu_config.device_config))
-    cpu_config = factory.cpu_multistep_config(_small(args, dtype="float32"), stream_per_step=True)
+    cpu_config = factory.cpu_multistep_config(_small(args, dtype="float32"), stream_mode="step")
     assert module_hooks_time_the_forward_pass(types.SimpleNamespace(device_config=cpu_config.device_config))

@@ -68,7 +68,7 @@ class MultiStepWorkerStandIn:
 def engine() -> WindowClosingEngine:
     path = str(demo_models.build("tiny-llama-bpe"))
     args = EngineArgs(model=path, dtype="float32", max_model_len=256, num_scheduler_steps=STEPS)
-    config = cpu_multistep_config(args, stream_per_step=False)  # a real multi-step scheduler config
+    config = cpu_multistep_config(args, stream_mode="window")  # a real multi-step scheduler config
     built = WindowClosingEngine.from_vllm_config(vllm_config=config, disable_log_stats=True)
     yield built
     built.model_executor.shutdown()

@@ -130,6 +130,8 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopping = False
         self._in_engine: set[str] = set()
+        # best_of requests: request id → all candidate sequences (vLLM returns only the best n).
+        self._candidates: dict[str, list] = {}
         # Set once the engine thread has settled an idle engine (window closed, workers released).
         self.settled = threading.Event()
         self._settled = False
@@ -208,6 +210,7 @@ class EngineLoop:
             if request_id in self._in_engine:
                 self.engine.abort_request(request_id)
                 self._in_engine.discard(request_id)
+                self._candidates.pop(request_id, None)
         while self._admissions:
             item = self._admissions.popleft()
             try:
@@ -222,6 +225,24 @@ class EngineLoop:
                 self._sink(RequestFailed(item.request_id, str(error) or type(error).__name__))
             else:
                 self._in_engine.add(item.request_id)
+                if item.params.n > (item.params._real_n or item.params.n):
+                    self._remember_candidates(item.request_id)
+
+    def _remember_candidates(self, request_id: str) -> None:
+        """Keep a best_of request's candidate sequences: its output holds only the best n of them."""
+        group = self.engine.seq_id_to_seq_group.get(f"{request_id}_parallel_sample_0")
+        assembled = getattr(group, "assembled_seq_group", None)
+        if assembled is not None:
+            self._candidates[request_id] = list(assembled.seqs)
+
+    def _unreturned(self, output: RequestOutput) -> tuple[int, int] | None:
+        """(tokens, sequences) of a finished best_of request's candidates that its output leaves out."""
+        candidates = self._candidates.pop(output.request_id, None)
+        if candidates is None:
+            return None
+        returned = sum(len(c.token_ids) for c in output.outputs)
+        total = sum(seq.get_output_len() for seq in candidates)
+        return max(0, total - returned), max(0, len(candidates) - len(output.outputs))
 
     def _report_state(self, force: bool = False) -> None:
         """Engine gauges at most every `state_interval` s while busy; once when going idle."""
@@ -287,23 +308,28 @@ class EngineLoop:
             logger.error("%s\n%s", self.error, traceback.format_exc())
             lost = sorted(self._in_engine) + [a.request_id for a in self._admissions]
             self._admissions.clear()
-            self._sink(EngineDied(self.error, lost))
+            # The death callback first: it takes the model out of service (not ready) before any
+            # client hears of the failure, so a client that then asks for readiness is told the truth.
             if self._on_death is not None:
                 try:
                     self._on_death(self.error)
                 except Exception:
                     logger.exception("engine death callback failed")
+            self._sink(EngineDied(self.error, lost))
 
     def _hand_over(self, outputs: list[RequestOutput], seconds: float) -> None:
+        unreturned: dict[str, tuple[int, int]] = {}
         if outputs:
             for output in outputs:
                 if output.finished:
                     self._in_engine.discard(output.request_id)
+                    if self._candidates and (hidden := self._unreturned(output)) is not None:
+                        unreturned[output.request_id] = hidden
         if self._time_steps:
-            self._sink(self._timed_step(outputs, seconds))
+            self._sink(self._timed_step(outputs, seconds, unreturned))
         elif outputs:
             # V0 reuses and clears the returned list on the next step: hand over a copy.
-            self._sink(StepOutputs(list(outputs), seconds))
+            self._sink(StepOutputs(list(outputs), seconds, unreturned=unreturned))
 
     def _settle(self, engine: LLMEngine) -> None:
         """Once per idle period: close the window the finished requests left, release the workers."""
@@ -322,9 +348,12 @@ class EngineLoop:
         """
         logger.warning("engine could not process request %s: %s", error.request_id, error.message)
         self._in_engine.discard(error.request_id)
+        self._candidates.pop(error.request_id, None)
         self._sink(RequestFailed(error.request_id, f"the engine could not process this request: {error.message}"))
 
-    def _timed_step(self, outputs: list[RequestOutput], seconds: float) -> StepOutputs:
+    def _timed_step(
+        self, outputs: list[RequestOutput], seconds: float, unreturned: dict[str, tuple[int, int]]
+    ) -> StepOutputs:
         forward_seconds, forward_end = self._clock.take() if self._clock is not None else (None, None)
         # The engine's scheduler context holds the latest round's SchedulerOutputs: a new
         # object that is not empty means this step started a scheduling window.
@@ -337,4 +366,5 @@ class EngineLoop:
             forward_seconds=forward_seconds,
             forward_end=forward_end,
             new_window=new_window,
+            unreturned=unreturned,
         )

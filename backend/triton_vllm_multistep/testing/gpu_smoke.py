@@ -160,7 +160,7 @@ def run_smoke(engine_args: Any) -> SmokeReport:
 
     report = SmokeReport()
     started = time.perf_counter()
-    loop = EngineLoop(lambda: build_engine(engine_args, stream_per_step=True))
+    loop = EngineLoop(lambda: build_engine(engine_args, stream_mode="step"))
     engine = loop.start_engine()
     report.figures["build_seconds"] = time.perf_counter() - started
     try:
