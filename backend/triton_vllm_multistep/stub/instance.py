@@ -82,7 +82,7 @@ class ModelServer:
     """Everything one Triton model instance runs."""
 
     def __init__(self, pb_utils: Any, args: dict[str, str]) -> None:
-        from triton_vllm_multistep.engine.factory import build_engine, serving_torch_threads
+        from triton_vllm_multistep.engine.factory import EngineBuildError, build_engine, serving_torch_threads
         from triton_vllm_multistep.engine.loop import EngineLoop
         from triton_vllm_multistep.stub.responder import Responder
 
@@ -115,7 +115,11 @@ class ModelServer:
         self.loop = EngineLoop(
             lambda: build_engine(engine_args, stream_mode=self.settings.stream_mode), torch_threads
         )
-        self.engine = self.loop.start_engine()  # a failed build has ended the engine thread
+        try:
+            self.engine = self.loop.start_engine()  # a failed build has ended the engine thread
+        except EngineBuildError as error:
+            # Settings this backend refuses: a load error naming them, not a trace into the engine.
+            raise config.ConfigError(f"model {self.model_name}: {error}") from None
         try:
             model = self.engine.model_config
             if str(model.dtype) == "torch.float16" and self.engine.device_config.device_type == "cpu":
@@ -311,6 +315,8 @@ class ModelServer:
 
     def close(self) -> None:
         self.drain.stop()
+        # The engine thread ends by releasing remote (tensor-parallel) workers from their execution
+        # loop: a worker still in it never reads the executor's shutdown request.
         self.loop.stop()
         self.responder.stop(protocol.UNLOADING_MESSAGE)
         if self.metrics is not None:
