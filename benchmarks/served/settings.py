@@ -48,8 +48,14 @@ def prompt(i: int) -> str:
 
 
 def engine_json(steps: int, model: str) -> dict[str, Any]:
-    """The served model's model.json with `num_scheduler_steps` and the model reference replaced."""
-    data = json.loads((SOURCE_MODEL / "1" / "model.json").read_text())
+    """The served model's engine arguments on CPU (model.json + configs/cpu.pbtxt's engine_args), with
+    `num_scheduler_steps` and the model reference replaced: the offline engine runs what the server runs."""
+    from triton_vllm_multistep.stub.config import apply_config_engine_args
+    from triton_vllm_multistep.testing.pbtxt import pbtxt_string_parameters
+
+    parameters = pbtxt_string_parameters((SOURCE_MODEL / "configs" / "cpu.pbtxt").read_text())
+    model_config = {"parameters": {key: {"string_value": value} for key, value in parameters.items()}}
+    data = apply_config_engine_args(json.loads((SOURCE_MODEL / "1" / "model.json").read_text()), model_config)
     data["num_scheduler_steps"] = steps
     data["model"] = model
     return data

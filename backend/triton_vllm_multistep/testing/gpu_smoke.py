@@ -15,29 +15,16 @@ import argparse
 import json
 import os
 import queue
-import re
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from triton_vllm_multistep.testing.pbtxt import pbtxt_string_parameters
+
 NO_GPU_MESSAGE = "no CUDA device: this script is for GPU hosts (--cpu runs the same checks on the CPU engine)"
 WAIT_SECONDS = 120.0  # per wait for an engine event; a healthy engine answers in well under a second
-
-_STRING = r"""("(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*')"""
-_PARAMETER = re.compile(rf"key\s*:\s*{_STRING}\s*value\s*:?\s*\{{\s*string_value\s*:\s*{_STRING}\s*\}}")
-_ESCAPES = {"n": "\n", "t": "\t", "r": "\r"}
-
-
-def pbtxt_string_parameters(text: str) -> dict[str, str]:
-    """The `parameters` string values of a config.pbtxt, without Triton's protobuf classes."""
-
-    def unquote(literal: str) -> str:
-        return re.sub(r"\\(.)", lambda m: _ESCAPES.get(m.group(1), m.group(1)), literal[1:-1])
-
-    return {unquote(key): unquote(value) for key, value in _PARAMETER.findall(text)}
-
 
 @dataclass
 class Check:
