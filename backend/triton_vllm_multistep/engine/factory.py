@@ -118,6 +118,12 @@ def build_engine(engine_args: EngineArgs, *, stream_per_step: bool = True) -> LL
     from vllm.platforms import current_platform
 
     args = dataclasses.replace(engine_args, multi_step_stream_outputs=stream_per_step)
+    if current_platform.is_cpu():
+        from triton_vllm_multistep.engine.cpu_attention import check_cpu_attention
+
+        args, refusal = check_cpu_attention(args)
+        if refusal:
+            raise EngineBuildError(refusal)
     preload_model_classes(args)
     steps = args.num_scheduler_steps
     if steps > 1:

@@ -77,6 +77,7 @@ class ModelServer:
     def __init__(self, pb_utils: Any, args: dict[str, str]) -> None:
         from triton_vllm_multistep.engine.factory import build_engine, serving_torch_threads
         from triton_vllm_multistep.engine.loop import EngineLoop
+        from triton_vllm_multistep.engine.warmup import warmed_up
         from triton_vllm_multistep.stub.responder import Responder
 
         self._pb = pb_utils
@@ -100,8 +101,10 @@ class ModelServer:
         # The stub is a child of tritonserver: its command line says how it runs.
         self._server_command = triton_command.of_process(os.getppid())
         torch_threads = serving_torch_threads()
+        # Warmed up in the engine thread: a setting that would fail the first request fails the load.
         self.loop = EngineLoop(
-            lambda: build_engine(engine_args, stream_per_step=self.settings.stream_per_step), torch_threads
+            lambda: warmed_up(build_engine(engine_args, stream_per_step=self.settings.stream_per_step), engine_args),
+            torch_threads,
         )
         self.engine = self.loop.start_engine()  # a failed build has ended the engine thread
         try:

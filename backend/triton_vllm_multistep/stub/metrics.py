@@ -138,6 +138,10 @@ class BackendMetrics:
         self._free = gauge("vllm_multistep:kv_cache_free_blocks", "Free KV-cache blocks")
         self._total = gauge("vllm_multistep:kv_cache_total_blocks", "All KV-cache blocks")
         self._alive = gauge("vllm_multistep:engine_alive", "1 while the engine runs, 0 once it has failed")
+        # vLLM V0's name for the device KV cache's hit rate (CPU memory on CPU hosts, as gpu_cache_usage_perc).
+        self._prefix_hit_rate = gauge(
+            "vllm:gpu_prefix_cache_hit_rate", "Prefix-cache block hit rate since start, 0-1 (-1: prefix caching off)"
+        )
         # What Triton's vLLM backend reports, under its names.
         self._prompt_tokens = counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.")
         self._generation_tokens = counter("vllm:generation_tokens_total", "Number of generation tokens processed.")
@@ -287,3 +291,4 @@ class BackendMetrics:
             self._total.set(state.total_blocks)
             used = state.total_blocks - state.free_blocks
             self._usage.set(used / state.total_blocks if state.total_blocks else 0.0)
+            self._prefix_hit_rate.set(state.prefix_cache_hit_rate)
