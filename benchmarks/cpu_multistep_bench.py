@@ -93,7 +93,7 @@ def benchmark(
             seed=0,
             disable_log_stats=True,
         )
-        engine = build_engine(args, stream_per_step=per_step)
+        engine = build_engine(args, stream_mode="step" if per_step else "window")
         timer = attach(engine)
         run_batch(engine, timer, 8, 24)  # warm-up: first-call allocations and kernel selection
         if not ceilings:
@@ -169,7 +169,7 @@ def main() -> None:
         type=int,
         nargs="*",
         default=[8],
-        help="also run these steps values with outputs once per window (stream_per_step=False)",
+        help="also run these steps values with outputs once per window (stream_mode 'window')",
     )
     parser.add_argument("--output-kind", choices=["delta", "cumulative"], default="delta")
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration (best kept)")

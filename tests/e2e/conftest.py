@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from served_models import LLM_MODEL, LLM_VARIANTS, SHIPPED_REPOSITORY
 
-from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, start_server
+from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, start_ready_server
 
 
 def _add_variant(repository: Path, name: str, overrides: dict) -> None:
@@ -54,16 +54,8 @@ def model_repository(tmp_path_factory: pytest.TempPathFactory, demo_model_paths:
 def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """One real tritonserver (via the launcher) for every end-to-end test of the session."""
     log_dir = tmp_path_factory.mktemp("server-log")
-    handle = start_server(model_repository, log_dir / "tritonserver.log")
+    handle, _ = start_ready_server(model_repository, log_dir / "tritonserver.log")
     try:
-        try:
-            handle.wait_ready(timeout=300)
-        except TimeoutError:
-            # A model load was seen to stall once on a heavily loaded host; one clean restart
-            # (keeping the first log) beats failing every end-to-end test of the session.
-            handle.stop()
-            handle = start_server(model_repository, log_dir / "tritonserver-retry.log")
-            handle.wait_ready(timeout=300)
         yield handle
     finally:
         handle.stop()

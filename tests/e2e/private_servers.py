@@ -7,15 +7,24 @@ and finding the server's Python-backend stub processes; knows nothing about what
 from __future__ import annotations
 
 import re
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import requests
 
 from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model
+from triton_vllm_multistep.testing.polling import wait_for
 
+__all__ = [
+    "REPO_ROOT",
+    "SHIPPED_MODEL",
+    "make_repository",
+    "metric",
+    "model_ready",
+    "scrape",
+    "stub_processes",
+    "wait_for",
+]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_MODEL = REPO_ROOT / "model_repository" / "vllm_model"
 
@@ -43,17 +52,6 @@ def metric(text: str, name: str, model: str, **labels: str) -> float | None:
         if found.get("model") == model and all(found.get(k) == v for k, v in labels.items()):
             return float(match.group(2))
     return None
-
-
-def wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.25) -> bool:
-    """Poll `condition` until it holds (True) or `timeout` s pass (False)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if condition():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)
 
 
 def stub_processes(server: ServerProcess) -> list[psutil.Process]:

@@ -167,7 +167,10 @@ BAD_INPUTS = [
     ({"input_ids": [1, 10**6]}, "input 'input_ids': token id 1000000 is outside the vocabulary"),
     ({"prompt": "hi", "input_ids": [1, 5]}, "exactly one of 'text_input' or 'input_ids' is required, not both"),
     ({"sampling": {"max_tokens": 3}}, "exactly one of 'text_input' or 'input_ids' is required"),
-    ({"prompt": "hi", "stream": True, "exclude_input_in_output": False}, "not allowed when streaming"),
+    (
+        {"prompt": "hi", "stream": True, "exclude_input_in_output": False},
+        "When streaming, `exclude_input_in_output` = False is not allowed.",
+    ),
 ]
 
 

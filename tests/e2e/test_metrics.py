@@ -18,10 +18,12 @@ WHOLE = [(3, 6), (12, 6)]
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm_multistep:scheduling_windows_total")
 HISTOGRAMS = (
     "vllm:time_to_first_token_seconds",
-    "vllm:time_per_output_token_seconds",
     "vllm:e2e_request_latency_seconds",
     "vllm:request_prompt_tokens",
     "vllm:request_generation_tokens",
+    "vllm:request_params_n",
+    # Observed per token or per step: histogram series built from counters.
+    "vllm:time_per_output_token_seconds",
     "vllm_multistep:tokens_per_response",
     "vllm_multistep:pythonization_lag_seconds",
     "vllm_multistep:step_host_overhead_seconds",
@@ -143,9 +145,13 @@ def test_request_counters_and_histograms_count_exactly_what_was_served(server) -
     assert delta(after, "vllm:request_prompt_tokens_count") == requests_count
     assert delta(after, "vllm:request_prompt_tokens_sum") == prompt_total
     assert delta(after, "vllm:request_generation_tokens_sum") == generated_total
-    for name in ("vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds"):
-        assert delta(after, name + "_count") == requests_count, name
-        assert delta(after, name + "_sum") > 0, name
+    assert delta(after, "vllm:time_to_first_token_seconds_count") == requests_count
+    assert delta(after, "vllm:time_to_first_token_seconds_sum") > 0
+    # As in vLLM: one observation per generated token after each request's first.
+    assert delta(after, "vllm:time_per_output_token_seconds_count") == generated_total - requests_count
+    assert delta(after, "vllm:time_per_output_token_seconds_sum") > 0
+    assert delta(after, "vllm:request_params_n_count") == requests_count
+    assert delta(after, "vllm:request_params_n_sum") == requests_count  # n = 1 each
     assert delta(after, "vllm:e2e_request_latency_seconds_count") == requests_count
     assert delta(after, "e2e_le_inf") == requests_count
     # Per-step streaming: one token per streamed response; non-streamed responses not counted.

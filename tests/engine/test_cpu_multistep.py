@@ -211,7 +211,7 @@ def demo_path() -> str:
     return str(demo_models.build("tiny-llama-bpe"))
 
 
-def _build_and_run(path: str, steps: int, stream_per_step: bool) -> tuple[Run, Any]:
+def _build_and_run(path: str, steps: int, stream_mode: str) -> tuple[Run, Any]:
     log: list[str] = []
     handler = _ListHandler(log)
     package_logger = logging.getLogger("triton_vllm_multistep")
@@ -219,7 +219,7 @@ def _build_and_run(path: str, steps: int, stream_per_step: bool) -> tuple[Run, A
     package_logger.addHandler(handler)
     package_logger.setLevel(logging.INFO)
     try:
-        engine = build_engine(_engine_args(path, steps), stream_per_step=stream_per_step)
+        engine = build_engine(_engine_args(path, steps), stream_mode=stream_mode)
     finally:
         package_logger.removeHandler(handler)
         package_logger.setLevel(previous_level)
@@ -233,7 +233,7 @@ def runs(demo_path: str) -> Iterator[dict[int, Run]]:
     """One engine per steps value (built, run, dropped one at a time to bound memory)."""
     results: dict[int, Run] = {}
     for steps in STEPS:
-        run, engine = _build_and_run(demo_path, steps, stream_per_step=True)
+        run, engine = _build_and_run(demo_path, steps, stream_mode="step")
         results[steps] = run
         del engine
         gc.collect()
@@ -334,8 +334,8 @@ def test_single_step_uses_stock_engine(runs: dict[int, Run]) -> None:
 
 
 def test_window_outputs_without_per_step_streaming(demo_path: str, runs: dict[int, Run]) -> None:
-    """stream_per_step=False: same tokens (penalties still exact), fewer outputs."""
-    run, engine = _build_and_run(demo_path, 8, stream_per_step=False)
+    """stream_mode "window": same tokens (penalties still exact), fewer outputs."""
+    run, engine = _build_and_run(demo_path, 8, stream_mode="window")
     del engine
     gc.collect()
     _assert_same_results(runs[1], run, 8, streamed=False)

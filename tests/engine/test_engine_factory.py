@@ -1,4 +1,4 @@
-"""engine_factory: which engine and config each platform gets, and what multi-step refuses.
+"""engine/factory.py: which engine and config each platform gets, and what multi-step refuses.
 
 Owns the factory's contract checks; mocks only the CUDA platform branch, which cannot run here.
 """
@@ -68,7 +68,7 @@ def test_tensor_parallel_refusal_reason_still_holds() -> None:
 def test_cpu_config_carries_the_multi_step_settings(demo_path: str) -> None:
     args = _args(demo_path, steps=8)
     before = dataclasses.asdict(args)
-    config = cpu_multistep_config(args, stream_per_step=False)
+    config = cpu_multistep_config(args, stream_mode="window")
     assert dataclasses.asdict(args) == before  # the caller's arguments are left alone
     scheduler = config.scheduler_config
     assert scheduler.num_scheduler_steps == 8
@@ -81,7 +81,7 @@ def test_cpu_config_carries_the_multi_step_settings(demo_path: str) -> None:
 
 def test_cpu_refuses_a_foreign_worker(demo_path: str) -> None:
     with pytest.raises(EngineBuildError, match="worker_cls"):
-        cpu_multistep_config(_args(demo_path, worker_cls="vllm.worker.cpu_worker.CPUWorker"), stream_per_step=True)
+        cpu_multistep_config(_args(demo_path, worker_cls="vllm.worker.cpu_worker.CPUWorker"), stream_mode="step")
 
 
 def test_single_step_on_cpu_is_vllms_engine(demo_path: str) -> None:
@@ -91,7 +91,7 @@ def test_single_step_on_cpu_is_vllms_engine(demo_path: str) -> None:
 
 
 def test_multi_step_on_cpu_is_ours(demo_path: str) -> None:
-    engine = build_engine(_args(demo_path, steps=4), stream_per_step=True)
+    engine = build_engine(_args(demo_path, steps=4), stream_mode="step")
     assert isinstance(engine, CPUMultiStepEngine)
     assert engine.scheduler_config.num_scheduler_steps == 4
     assert engine.driver_worker().model_runner.step_output_callback is not None
@@ -104,18 +104,18 @@ class _FakeGpuPlatform:
         return False
 
 
-@pytest.mark.parametrize("stream_per_step", [True, False])
+@pytest.mark.parametrize(("stream_mode", "per_step"), [("step", True), ("window", False)])
 def test_gpu_hosts_keep_vllms_multi_step_worker(
-    monkeypatch: pytest.MonkeyPatch, demo_path: str, stream_per_step: bool
+    monkeypatch: pytest.MonkeyPatch, demo_path: str, stream_mode: str, per_step: bool
 ) -> None:
     seen: list[EngineArgs] = []
     monkeypatch.setattr(vllm.platforms, "current_platform", _FakeGpuPlatform())
     monkeypatch.setattr(engine_factory.LLMEngine, "from_engine_args", classmethod(lambda cls, a: seen.append(a)))
-    build_engine(_args(demo_path, steps=8), stream_per_step=stream_per_step)
+    build_engine(_args(demo_path, steps=8), stream_mode=stream_mode)
     (args,) = seen
     assert args.num_scheduler_steps == 8
     assert args.worker_cls == "auto"  # vLLM picks its MultiStepWorker from the steps
-    assert args.multi_step_stream_outputs is stream_per_step
+    assert args.multi_step_stream_outputs is per_step
     assert args.enable_chunked_prefill is False
 
 
@@ -131,7 +131,7 @@ def test_model_class_is_inspected_in_process_not_in_a_subprocess(demo_path: str,
 
     monkeypatch.setattr(registry, "_run_in_subprocess", no_subprocess)
     registry._try_inspect_model_cls.cache_clear()
-    config = cpu_multistep_config(_args(demo_path), stream_per_step=True)
+    config = cpu_multistep_config(_args(demo_path), stream_mode="step")
     assert config.model_config.architectures == ["LlamaForCausalLM"]
     assert config.model_config.runner_type == "generate"
 

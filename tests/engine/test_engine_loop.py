@@ -1,4 +1,4 @@
-"""engine_loop: the engine thread builds the engine, owns its torch threads and drives it.
+"""engine/loop.py: the engine thread builds the engine, owns its torch threads and drives it.
 
 Runs the real CPU multi-step engine on the demo model; no Triton here (the e2e suites cover it).
 """
@@ -34,7 +34,7 @@ def test_the_engine_is_built_and_stepped_in_the_engine_thread_with_its_torch_thr
 
     def build():
         seen["thread"] = threading.current_thread().name
-        return build_engine(_args(steps=4), stream_per_step=True)
+        return build_engine(_args(steps=4), stream_mode="step")
 
     def sink(event: object) -> None:
         events.append(event)

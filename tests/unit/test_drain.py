@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import http.server
 import os
+import signal
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -20,6 +22,7 @@ import pytest
 from triton_vllm_multistep.lifecycle import drain, procfs, protocol, server_drain, triton_command
 from triton_vllm_multistep.lifecycle.triton_command import TritonCommand
 from triton_vllm_multistep.stub import config
+from triton_vllm_multistep.testing.polling import wait_for
 
 
 @pytest.mark.parametrize(
@@ -138,12 +141,7 @@ class Model:
 
 
 def _until(condition, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
+    return wait_for(condition, timeout, interval=0.005)
 
 
 def test_requests_still_in_flight_at_the_deadline_are_ended_once() -> None:
@@ -299,3 +297,26 @@ def test_exit_timeout_of_falls_back_to_tritons_default() -> None:
     assert triton_command.exit_timeout_of(None) == 30.0
     assert triton_command.exit_timeout_of(TritonCommand(None, None, "none")) == 30.0  # not a number
     assert triton_command.exit_timeout_of(TritonCommand(12.0, None, "none")) == 12.0
+
+
+def test_the_process_tree_and_what_runs_in_it() -> None:
+    shell = subprocess.Popen(["sh", "-c", "sleep 30 & wait"], start_new_session=True)
+    try:
+
+        def sleeping() -> list[int]:
+            # Until the forked child has exec'd sleep, its command line is still the shell's.
+            return [pid for pid in procfs.children(shell.pid) if procfs.cmdline(pid) == ["sleep", "30"]]
+
+        assert wait_for(lambda: len(sleeping()) == 1, timeout=10, interval=0.01)
+        (sleeper,) = sleeping()
+        assert shell.pid in procfs.children(os.getpid()) and sleeper not in procfs.children(os.getpid())
+        below = procfs.descendants(os.getpid())
+        assert below.index(shell.pid) < below.index(sleeper)  # parents before children
+    finally:
+        os.killpg(shell.pid, signal.SIGKILL)
+        shell.wait()
+    assert not procfs.alive(shell.pid) and procfs.descendants(shell.pid) == []
+    assert triton_command.is_tritonserver(["/opt/tritonserver/bin/tritonserver", "--model-repository=/m"])
+    assert not triton_command.is_tritonserver(["python", "tritonserver"])
+    assert triton_command.is_python_backend_stub(["/b/python/triton_python_backend_stub", "/m/1/model.py", "x"])
+    assert not triton_command.is_python_backend_stub([])

@@ -1,2 +1,2 @@
-"""Demo models built locally, deterministically, with no model hub.
+"""Demo models built locally, deterministically, with no model hub (`models`: `demo://NAME`).
 """

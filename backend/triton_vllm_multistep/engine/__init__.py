@@ -1,3 +1,6 @@
-"""Code that drives vLLM: building the engine (GPU: vLLM's MultiStepWorker; CPU: our runner) and
-the engine thread. Knows nothing of Triton; `events` is the boundary and imports no vLLM.
+"""Code that drives vLLM: building the engine (`factory`; GPU: vLLM's MultiStepWorker, CPU: our
+runner in `cpu_multistep`) and the engine thread (`loop`), the only caller of `step()`.
+
+Knows nothing of Triton (import-linter forbids stub, lifecycle and host); `events` is the
+boundary the stub reads (step outputs, failures, the stream mode) and imports no vLLM.
 """

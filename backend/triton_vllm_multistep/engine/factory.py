@@ -16,6 +16,8 @@ from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 
+from triton_vllm_multistep.engine.events import STREAM_MODES, StreamMode
+
 logger = logging.getLogger(__name__)
 
 
@@ -107,17 +109,19 @@ def serving_torch_threads() -> int | None:
     return cores - 1 if cores >= 2 else None
 
 
-def build_engine(engine_args: EngineArgs, *, stream_per_step: bool = True) -> LLMEngine:
+def build_engine(engine_args: EngineArgs, *, stream_mode: StreamMode = "step") -> LLMEngine:
     """Build the engine for `engine_args`, honouring `num_scheduler_steps` on every platform.
 
-    `stream_per_step` makes a multi-step window hand each step's tokens to the engine's
-    outputs as that step is pythonized (one `step()` result per decode step); when False,
-    outputs arrive once per scheduling window. Raises EngineBuildError for settings that
-    multi-step cannot run.
+    `stream_mode` "step" makes a multi-step window hand each step's tokens to the engine's
+    outputs as that step is pythonized (one `step()` result per decode step); with "window",
+    outputs arrive once per scheduling window (vLLM's `multi_step_stream_outputs`). Raises
+    EngineBuildError for settings that multi-step cannot run.
     """
     from vllm.platforms import current_platform
 
-    args = dataclasses.replace(engine_args, multi_step_stream_outputs=stream_per_step)
+    if stream_mode not in STREAM_MODES:
+        raise EngineBuildError(f"stream_mode must be one of {', '.join(STREAM_MODES)}, got {stream_mode!r}")
+    args = dataclasses.replace(engine_args, multi_step_stream_outputs=stream_mode == "step")
     if current_platform.is_cpu():
         from triton_vllm_multistep.engine.cpu_attention import check_cpu_attention
 
@@ -136,10 +140,10 @@ def build_engine(engine_args: EngineArgs, *, stream_per_step: bool = True) -> LL
     if steps == 1 or not current_platform.is_cpu():
         # GPU hosts: vLLM's own MultiStepWorker, chosen by vLLM from num_scheduler_steps.
         return LLMEngine.from_engine_args(args)
-    return _build_cpu_multistep_engine(args, stream_per_step)
+    return _build_cpu_multistep_engine(args, stream_mode)
 
 
-def cpu_multistep_config(engine_args: EngineArgs, stream_per_step: bool) -> VllmConfig:
+def cpu_multistep_config(engine_args: EngineArgs, stream_mode: StreamMode) -> VllmConfig:
     """The engine config for a CPU multi-step engine: our worker, steps and lookahead slots.
 
     vLLM's `create_engine_config` resets num_scheduler_steps to 1 on CPU, so the config is built
@@ -167,17 +171,17 @@ def cpu_multistep_config(engine_args: EngineArgs, stream_per_step: bool) -> Vllm
     scheduler_config.num_scheduler_steps = steps
     # The scheduler reserves these slots before a window, so the block tables last all of it.
     scheduler_config.num_lookahead_slots = max(scheduler_config.num_lookahead_slots, steps - 1)
-    scheduler_config.multi_step_stream_outputs = stream_per_step
+    scheduler_config.multi_step_stream_outputs = stream_mode == "step"
     return config
 
 
-def _build_cpu_multistep_engine(engine_args: EngineArgs, stream_per_step: bool) -> LLMEngine:
+def _build_cpu_multistep_engine(engine_args: EngineArgs, stream_mode: StreamMode) -> LLMEngine:
     from triton_vllm_multistep.engine.cpu_multistep import CPUMultiStepEngine
 
-    config = cpu_multistep_config(engine_args, stream_per_step)
+    config = cpu_multistep_config(engine_args, stream_mode)
     logger.info(
         "Building the CPU multi-step engine: num_scheduler_steps=%d, %s",
         config.scheduler_config.num_scheduler_steps,
-        "outputs every step" if stream_per_step else "outputs once per window",
+        "outputs every step" if stream_mode == "step" else "outputs once per window",
     )
     return CPUMultiStepEngine.from_vllm_config(vllm_config=config, disable_log_stats=engine_args.disable_log_stats)

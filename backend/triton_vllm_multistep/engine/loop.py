@@ -101,6 +101,8 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopping = False
         self._in_engine: set[str] = set()
+        # best_of requests: request id → all candidate sequences (vLLM returns only the best n).
+        self._candidates: dict[str, list] = {}
         self.error: str | None = None
         self.torch_threads: int | None = None  # what the engine thread runs with, once built
         self._thread = threading.Thread(target=self._main, name="vllm-engine-loop", daemon=True)
@@ -176,6 +178,7 @@ class EngineLoop:
             if request_id in self._in_engine:
                 self.engine.abort_request(request_id)
                 self._in_engine.discard(request_id)
+                self._candidates.pop(request_id, None)
         while self._admissions:
             item = self._admissions.popleft()
             try:
@@ -190,6 +193,24 @@ class EngineLoop:
                 self._sink(RequestFailed(item.request_id, str(error) or type(error).__name__))
             else:
                 self._in_engine.add(item.request_id)
+                if item.params.n > (item.params._real_n or item.params.n):
+                    self._remember_candidates(item.request_id)
+
+    def _remember_candidates(self, request_id: str) -> None:
+        """Keep a best_of request's candidate sequences: its output holds only the best n of them."""
+        group = self.engine.seq_id_to_seq_group.get(f"{request_id}_parallel_sample_0")
+        assembled = getattr(group, "assembled_seq_group", None)
+        if assembled is not None:
+            self._candidates[request_id] = list(assembled.seqs)
+
+    def _unreturned(self, output: RequestOutput) -> tuple[int, int] | None:
+        """(tokens, sequences) of a finished best_of request's candidates that its output leaves out."""
+        candidates = self._candidates.pop(output.request_id, None)
+        if candidates is None:
+            return None
+        returned = sum(len(c.token_ids) for c in output.outputs)
+        total = sum(seq.get_output_len() for seq in candidates)
+        return max(0, total - returned), max(0, len(candidates) - len(output.outputs))
 
     def _report_state(self, force: bool = False) -> None:
         """Engine gauges at most every `state_interval` s while busy; once when going idle."""
@@ -236,29 +257,36 @@ class EngineLoop:
                     continue
                 started = time.perf_counter()
                 outputs = engine.step()
+                unreturned: dict[str, tuple[int, int]] = {}
                 if outputs:
                     for output in outputs:
                         if output.finished:
                             self._in_engine.discard(output.request_id)
+                            if self._candidates and (hidden := self._unreturned(output)) is not None:
+                                unreturned[output.request_id] = hidden
                 if self._time_steps:
-                    self._sink(self._timed_step(outputs, time.perf_counter() - started))
+                    self._sink(self._timed_step(outputs, time.perf_counter() - started, unreturned))
                 elif outputs:
                     # V0 reuses and clears the returned list on the next step: hand over a copy.
-                    self._sink(StepOutputs(list(outputs), time.perf_counter() - started))
+                    self._sink(StepOutputs(list(outputs), time.perf_counter() - started, unreturned=unreturned))
                 self._report_state()
         except BaseException as error:
             self.error = f"vLLM engine failed: {type(error).__name__}: {error}"
             logger.error("%s\n%s", self.error, traceback.format_exc())
             lost = sorted(self._in_engine) + [a.request_id for a in self._admissions]
             self._admissions.clear()
-            self._sink(EngineDied(self.error, lost))
+            # The death callback first: it takes the model out of service (not ready) before any
+            # client hears of the failure, so a client that then asks for readiness is told the truth.
             if self._on_death is not None:
                 try:
                     self._on_death(self.error)
                 except Exception:
                     logger.exception("engine death callback failed")
+            self._sink(EngineDied(self.error, lost))
 
-    def _timed_step(self, outputs: list[RequestOutput], seconds: float) -> StepOutputs:
+    def _timed_step(
+        self, outputs: list[RequestOutput], seconds: float, unreturned: dict[str, tuple[int, int]]
+    ) -> StepOutputs:
         forward_seconds, forward_end = self._clock.take() if self._clock is not None else (0.0, None)
         # The engine's scheduler context holds the latest round's SchedulerOutputs: a new
         # object that is not empty means this step started a scheduling window.
@@ -271,4 +299,5 @@ class EngineLoop:
             forward_seconds=forward_seconds,
             forward_end=forward_end,
             new_window=new_window,
+            unreturned=unreturned,
         )

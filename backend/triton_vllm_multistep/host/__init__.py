@@ -1,2 +1,3 @@
-"""Host-side tools: the CLI and the launcher that starts tritonserver. Never imports vLLM or torch.
+"""Host-side tools: the CLI (`cli`) and the launcher that starts tritonserver (`launcher`);
+the `drain` command's work is lifecycle.server_drain. Never imports vLLM or torch.
 """

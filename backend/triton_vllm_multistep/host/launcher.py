@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.host import stub_python
 from triton_vllm_multistep.lifecycle import triton_command
 from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV, EXIT_GRACE_SECONDS
 from triton_vllm_multistep.lifecycle.server_drain import DrainResult, drain_server
@@ -27,6 +28,7 @@ from triton_vllm_multistep.stub.device import gpu_count
 
 BACKEND_NAME = "vllm_multistep"
 SYSTEM_TRITON = Path("/opt/tritonserver")
+STUBS_PER_VERSION = "python_backend_stubs"  # <python backend>/python_backend_stubs/3.X/, as in nvidia-pytriton
 CPU_CONFIG_NAME = "cpu"
 # The Triton entry point ships inside the package (stub/model.py), so a wheel install has it.
 BACKEND_MODEL_PY = Path(__file__).resolve().parent.parent / "stub" / "model.py"
@@ -49,15 +51,21 @@ class TritonInstall:
     library_dirs: tuple[Path, ...]  # prepended to LD_LIBRARY_PATH
 
 
-def find_triton(system_root: Path = SYSTEM_TRITON) -> TritonInstall:
-    """A system install (e.g. NVIDIA's container) first, else the one bundled in nvidia-pytriton."""
+def find_triton(system_root: Path = SYSTEM_TRITON, python_version: str | None = None) -> TritonInstall:
+    """A system install (e.g. NVIDIA's container) first, else the one bundled in nvidia-pytriton.
+
+    Either way the stub must embed the Python running this launcher (`python_version`, "3.X"):
+    the stub gets this environment's packages on its PYTHONPATH, and vLLM, torch and numpy built
+    for one Python do not import in another.
+    """
+    version = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
     libpython_dir = Path(sysconfig.get_config_var("LIBDIR") or sys.base_prefix + "/lib")
     if (system_root / "bin" / "tritonserver").exists():
         backend = system_root / "backends" / "python"
         return TritonInstall(
             server=system_root / "bin" / "tritonserver",
             python_backend=backend,
-            stub=backend / "triton_python_backend_stub",
+            stub=system_stub(backend, version),
             library_dirs=(system_root / "lib", libpython_dir),
         )
     # Locate, not import: pytriton's own Python package needs dependencies we do not install.
@@ -67,7 +75,6 @@ def find_triton(system_root: Path = SYSTEM_TRITON) -> TritonInstall:
             "no tritonserver found: neither /opt/tritonserver nor the nvidia-pytriton wheel (run scripts/setup.sh)"
         )
     root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.exists():
         raise LaunchError(f"nvidia-pytriton has no Python backend stub for Python {version}")
@@ -78,6 +85,57 @@ def find_triton(system_root: Path = SYSTEM_TRITON) -> TritonInstall:
         # libpython of the running interpreter first, so the stub embeds this same Python.
         library_dirs=(libpython_dir, root.parent.parent / "nvidia_pytriton.libs"),
     )
+
+
+def system_stub(python_backend: Path, version: str) -> Path:
+    """The system Python backend's stub for Python `version`: its own stub, or one built per version.
+
+    Triton's images ship one stub, built for the image's Python (3.10 in 24.10). A stub built for
+    another Python can be put at python_backend_stubs/3.X/ (nvidia-pytriton's layout).
+    """
+    candidates = [
+        python_backend / "triton_python_backend_stub",
+        python_backend / STUBS_PER_VERSION / version / "triton_python_backend_stub",
+    ]
+    mismatched = []
+    for stub in candidates:
+        if not stub.exists():
+            continue
+        try:
+            embedded = stub_python.embedded_python(stub)
+        except (OSError, stub_python.NotAnElf) as error:
+            raise LaunchError(f"cannot read the Python backend stub {stub}: {error}") from error
+        if embedded is None or embedded == version:  # None: links no libpython (static), cannot tell
+            return stub
+        mismatched.append(f"{stub} embeds Python {embedded}")
+    if not mismatched:
+        raise LaunchError(f"{python_backend} has no triton_python_backend_stub: not a Triton Python backend")
+    raise LaunchError(
+        f"no Python backend stub for Python {version} (this launcher runs {sys.executable}): "
+        f"{'; '.join(mismatched)}. The stub loads this environment's packages (vLLM, torch, numpy), which only "
+        f"import in the Python they were installed for. Either install triton-vllm-multistep and vLLM for the "
+        f"stub's Python and run the launcher with it (in NVIDIA's image: python3 -m pip install ..., as "
+        f"docker/Dockerfile does), or build the Python backend stub for Python {version} (Triton's python_backend "
+        f"repository, same release as the server) and put it at "
+        f"{python_backend / STUBS_PER_VERSION / version / 'triton_python_backend_stub'} (see docs/deployment.md)"
+    )
+
+
+def install_backend(backends_dir: Path) -> Path:
+    """Install this backend's entry point as `<backends_dir>/vllm_multistep/model.py`; returns that path."""
+    if not backends_dir.is_dir():
+        raise LaunchError(f"{backends_dir} is not a directory: pass Triton's backends directory")
+    if not (backends_dir / "python").is_dir():
+        raise LaunchError(
+            f"{backends_dir} has no python/ folder: {BACKEND_NAME} is a Python-based backend and needs "
+            "Triton's Python backend in the same backends directory"
+        )
+    if not BACKEND_MODEL_PY.exists():
+        raise LaunchError(f"backend entry point {BACKEND_MODEL_PY} is missing")
+    target = backends_dir / BACKEND_NAME / "model.py"
+    target.parent.mkdir(exist_ok=True)
+    _copy_if_changed(BACKEND_MODEL_PY, target)
+    return target
 
 
 def prepare_backend_dir(install: TritonInstall, target: Path) -> Path:
@@ -111,14 +169,33 @@ def server_environment(install: TritonInstall, base: dict[str, str] | None = Non
         lib_path.append(env["LD_LIBRARY_PATH"])
     env["LD_LIBRARY_PATH"] = ":".join(lib_path)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    # The stub embeds libpython, which does not know about the venv: name its packages and
-    # this project's package (an editable install's .pth is not read from PYTHONPATH).
-    python_path = [sysconfig.get_paths()["purelib"], str(PACKAGE_PARENT)]
+    # The stub embeds libpython, which knows nothing of this environment: give it this
+    # package first (the one the launcher runs), then every import path of this interpreter
+    # (venv, .pth and --system-site-packages entries included: .pth files are not read from
+    # PYTHONPATH), but not its standard library (the stub has its own).
+    python_path = [str(PACKAGE_PARENT), *environment_import_paths()]
     if env.get("PYTHONPATH"):
         python_path.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(python_path))
     env.setdefault("VLLM_USE_V1", "0")
     return env
+
+
+def environment_import_paths() -> list[str]:
+    """This interpreter's package directories: sys.path without the standard library and the cwd."""
+    paths = sysconfig.get_paths()
+    stdlib = {os.path.realpath(paths[key]) for key in ("stdlib", "platstdlib")}
+    script_dir = os.path.dirname(os.path.abspath(sys.argv[0])) if sys.argv and sys.argv[0] else None
+    found = []
+    for entry in sys.path:
+        if not entry or not os.path.isdir(entry) or entry in (os.getcwd(), script_dir):
+            continue
+        real = os.path.realpath(entry)
+        in_stdlib = any(real == s or real.startswith(s + os.sep) for s in stdlib)
+        if in_stdlib and not {"site-packages", "dist-packages"} & set(Path(real).parts):
+            continue
+        found.append(entry)
+    return found
 
 
 def validate_model_repository(repository: Path) -> None:

@@ -64,3 +64,24 @@ def started_at(pid: int) -> float | None:
 
 def pids() -> list[int]:
     return [int(entry.name) for entry in PROC.iterdir() if entry.name.isdigit()]
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    return [candidate for candidate in pids() if parent(candidate) == pid]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`: its children, theirs, and so on (parents before children)."""
+    by_parent: dict[int, list[int]] = {}
+    for candidate in pids():
+        parent_pid = parent(candidate)
+        if parent_pid is not None:
+            by_parent.setdefault(parent_pid, []).append(candidate)
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        below = by_parent.get(frontier.pop(0), [])
+        found.extend(below)
+        frontier.extend(below)
+    return found

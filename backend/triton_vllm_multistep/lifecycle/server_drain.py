@@ -59,11 +59,9 @@ def tritonserver_pids(drain_file: Path) -> list[int]:
 def backend_stub_pids(server_pid: int, backend_name: str) -> list[int]:
     """The server's Python-backend stubs that run `backend_name` models (its folder is their last argument)."""
     stubs = []
-    for pid in procfs.pids():
-        if procfs.parent(pid) != server_pid:
-            continue
+    for pid in procfs.children(server_pid):
         argv = procfs.cmdline(pid)
-        if argv and "triton_python_backend_stub" in Path(argv[0]).name and argv[-1].endswith(f"/{backend_name}"):
+        if triton_command.is_python_backend_stub(argv) and argv[-1].endswith(f"/{backend_name}"):
             stubs.append(pid)
     return stubs
 

@@ -48,9 +48,18 @@ def _as_float(text: str) -> float | None:
         return None
 
 
+def is_tritonserver(argv: Sequence[str]) -> bool:
+    return bool(argv) and Path(argv[0]).name == "tritonserver"
+
+
+def is_python_backend_stub(argv: Sequence[str]) -> bool:
+    """A Python backend stub process: where a Python model instance (and this backend's engine) runs."""
+    return bool(argv) and "triton_python_backend_stub" in Path(argv[0]).name
+
+
 def parse(argv: Sequence[str]) -> TritonCommand | None:
     """The settings of a tritonserver command line (Triton's defaults where absent); None if not tritonserver."""
-    if not argv or Path(argv[0]).name != "tritonserver":
+    if not is_tritonserver(argv):
         return None
     endpoint = None
     if _last(argv, "--allow-http", "true").strip().lower() not in ("false", "0", "no", "off"):

@@ -38,7 +38,7 @@ class RequestError(ValueError):
 
 def _to_int(name: str, value: Any) -> int:
     if isinstance(value, bool):
-        raise RequestError(f"sampling_parameters.{name}: expected an integer, got {value!r}")
+        raise RequestError(f"{name}: expected an integer, got {value!r}")
     if isinstance(value, int):
         return value
     if isinstance(value, float) and value.is_integer():
@@ -48,23 +48,23 @@ def _to_int(name: str, value: Any) -> int:
             return int(value.strip())
         except ValueError:
             pass
-    raise RequestError(f"sampling_parameters.{name}: expected an integer, got {value!r}")
+    raise RequestError(f"{name}: expected an integer, got {value!r}")
 
 
 def _to_float(name: str, value: Any) -> float:
     if isinstance(value, bool):
-        raise RequestError(f"sampling_parameters.{name}: expected a number, got {value!r}")
+        raise RequestError(f"{name}: expected a number, got {value!r}")
     if isinstance(value, int | float):
         result = float(value)
     elif isinstance(value, str):
         try:
             result = float(value.strip())
         except ValueError:
-            raise RequestError(f"sampling_parameters.{name}: expected a number, got {value!r}") from None
+            raise RequestError(f"{name}: expected a number, got {value!r}") from None
     else:
-        raise RequestError(f"sampling_parameters.{name}: expected a number, got {value!r}")
+        raise RequestError(f"{name}: expected a number, got {value!r}")
     if not math.isfinite(result):
-        raise RequestError(f"sampling_parameters.{name}: must be a finite number, got {value!r}")
+        raise RequestError(f"{name}: must be a finite number, got {value!r}")
     return result
 
 
@@ -75,7 +75,7 @@ def _to_bool(name: str, value: Any) -> bool:
         return value.strip().lower() == "true"
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
-    raise RequestError(f"sampling_parameters.{name}: expected true or false, got {value!r}")
+    raise RequestError(f"{name}: expected true or false, got {value!r}")
 
 
 def _to_str_list(name: str, value: Any) -> list[str]:
@@ -83,18 +83,18 @@ def _to_str_list(name: str, value: Any) -> list[str]:
         return [value]
     if isinstance(value, list) and all(isinstance(item, str) for item in value):
         return list(value)
-    raise RequestError(f"sampling_parameters.{name}: expected a string or a list of strings")
+    raise RequestError(f"{name}: expected a string or a list of strings")
 
 
 def _to_int_list(name: str, value: Any) -> list[int]:
     if not isinstance(value, list):
-        raise RequestError(f"sampling_parameters.{name}: expected a list of integers")
+        raise RequestError(f"{name}: expected a list of integers")
     return [_to_int(f"{name}[{index}]", item) for index, item in enumerate(value)]
 
 
 def _to_logit_bias(name: str, value: Any) -> dict[int, float]:
     if not isinstance(value, dict):
-        raise RequestError(f"sampling_parameters.{name}: expected an object of token id → bias")
+        raise RequestError(f"{name}: expected an object of token id → bias")
     return {_to_int(f"{name} key", key): _to_float(f"{name}[{key}]", bias) for key, bias in value.items()}
 
 
@@ -140,6 +140,11 @@ TRITON_RESERVED_PARAMETERS = frozenset(
     {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers", "stream"}
 )
 MAX_SEED = 2**63 - 1
+SAMPLING_TENSOR = "sampling_parameters"
+REQUEST_PARAMETERS = "parameters"  # how errors name a field that came from the request parameters
+IMAGE_INPUT = "image"
+# Leading phrases of Triton's vLLM backend's messages, kept so clients matching on them still do.
+STREAM_WITH_PROMPT_MESSAGE = "When streaming, `exclude_input_in_output` = False is not allowed."
 
 
 @dataclass(frozen=True)
@@ -175,6 +180,8 @@ class ModelLimits:
     vocab_size: int
     max_model_len: int
     limits: Limits = field(default_factory=Limits)
+    model_name: str = "this model"  # the engine's model, for errors about what it cannot take
+    multimodal: bool = False
 
 
 def _payload_bytes(array: np.ndarray) -> int:
@@ -243,54 +250,75 @@ def parse_sampling_fields(text: str | None, source: str) -> dict[str, Any]:
     return data
 
 
-def sampling_params(fields: Mapping[str, Any], stream: bool, limits: ModelLimits) -> SamplingParams:
-    """Convert and check sampling fields; every error names the field."""
+def sampling_params(
+    fields: Mapping[str, Any], stream: bool, limits: ModelLimits, source: str = SAMPLING_TENSOR
+) -> SamplingParams:
+    """Convert and check sampling fields; every error names the field as `<source>.<field>`."""
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     kwargs: dict[str, Any] = {}
     for name, value in fields.items():
         if name in REFUSED_FIELDS:
-            raise RequestError(f"sampling_parameters.{name} is not accepted: {REFUSED_FIELDS[name]}")
+            raise RequestError(f"{source}.{name} is not accepted: {REFUSED_FIELDS[name]}")
         converter = FIELD_CONVERTERS.get(name)
         if converter is None:
-            raise RequestError(f"sampling_parameters.{name} is not a known vLLM sampling parameter")
+            raise RequestError(f"{source}.{name} is not a known vLLM sampling parameter")
         if value is not None:
-            kwargs[name] = converter(name, value)
-    _check_ranges(kwargs, limits)
+            kwargs[name] = converter(f"{source}.{name}", value)
+    _check_ranges(kwargs, limits, source)
     kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     try:
         params = SamplingParams(**kwargs)
     except (ValueError, TypeError) as error:
-        raise RequestError(f"sampling_parameters: {error}") from None
+        raise RequestError(f"{source}: {error}") from None
     return params
 
 
-def _check_ranges(kwargs: dict[str, Any], model: ModelLimits) -> None:
+def check_max_tokens(max_tokens: int, where: str) -> None:
+    """A request must ask for at least one token; `where` names the input or field for the error."""
+    if max_tokens < 1:
+        raise RequestError(f"{where} must be >= 1, got {max_tokens}")
+
+
+def sampling_fields(inputs: Mapping[str, np.ndarray], parameters_json: str | None) -> tuple[dict[str, Any], str]:
+    """The request's sampling fields and where they came from, by Triton's vLLM backend's rule.
+
+    The `sampling_parameters` input wins outright: request parameters are then not sampling
+    fields at all (not merged, not checked). Without it, the request parameters are the sampling
+    fields, less the keys Triton and its clients use for themselves.
+    """
+    if SAMPLING_TENSOR in inputs:
+        text = string_input(SAMPLING_TENSOR, inputs[SAMPLING_TENSOR])
+        return parse_sampling_fields(text, f"input '{SAMPLING_TENSOR}'"), SAMPLING_TENSOR
+    fields = parse_sampling_fields(parameters_json, "request parameters")
+    fields = {k: v for k, v in fields.items() if k not in TRITON_RESERVED_PARAMETERS and not k.startswith("triton_")}
+    return fields, REQUEST_PARAMETERS
+
+
+def _check_ranges(kwargs: dict[str, Any], model: ModelLimits, source: str = "sampling_parameters") -> None:
     limits = model.limits
     max_tokens = kwargs.get("max_tokens")
-    if max_tokens is not None and max_tokens < 1:
-        raise RequestError(f"sampling_parameters.max_tokens must be >= 1, got {max_tokens}")
+    if max_tokens is not None:
+        check_max_tokens(max_tokens, f"{source}.max_tokens")
     if limits.max_tokens:
         if max_tokens is None:
             # vLLM's default (16) must not exceed a smaller configured limit either.
             kwargs["max_tokens"] = min(16, limits.max_tokens)
         elif max_tokens > limits.max_tokens:
-            raise RequestError(
-                f"sampling_parameters.max_tokens={max_tokens} exceeds this model's limit of {limits.max_tokens}"
-            )
+            raise RequestError(f"{source}.max_tokens={max_tokens} exceeds this model's limit of {limits.max_tokens}")
     for name in ("n", "best_of"):
         value = kwargs.get(name)
         if value is not None and not 1 <= value <= limits.max_n:
-            raise RequestError(f"sampling_parameters.{name} must be between 1 and {limits.max_n}, got {value}")
+            raise RequestError(f"{source}.{name} must be between 1 and {limits.max_n}, got {value}")
     seed = kwargs.get("seed")
     if seed is not None and not 0 <= seed <= MAX_SEED:
-        raise RequestError(f"sampling_parameters.seed must be between 0 and {MAX_SEED}, got {seed}")
+        raise RequestError(f"{source}.seed must be between 0 and {MAX_SEED}, got {seed}")
     for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
-        _check_vocabulary(f"sampling_parameters.{name}", kwargs.get(name) or (), model.vocab_size)
+        _check_vocabulary(f"{source}.{name}", kwargs.get(name) or (), model.vocab_size)
     for name in ("logprobs", "prompt_logprobs"):
         value = kwargs.get(name)
         if value is not None and not 0 <= value <= 20:
-            raise RequestError(f"sampling_parameters.{name} must be between 0 and 20, got {value}")
+            raise RequestError(f"{source}.{name} must be between 0 and 20, got {value}")
 
 
 def _check_vocabulary(where: str, tokens: Iterable[int], vocab_size: int) -> None:
@@ -311,6 +339,14 @@ def decode_request(
     if size > model.limits.max_request_bytes:
         raise RequestError(
             f"request inputs are {size} bytes, over this model's limit of {model.limits.max_request_bytes}"
+        )
+    if IMAGE_INPUT in inputs:
+        if not model.multimodal:
+            # vLLM's words for it (what Triton's vLLM backend answers), naming the input.
+            raise RequestError(f"input '{IMAGE_INPUT}': {model.model_name} is not a multimodal model")
+        raise RequestError(
+            f"input '{IMAGE_INPUT}' is not supported: this backend serves text prompts only "
+            "(vLLM's multi-step scheduling does not take multimodal inputs)"
         )
     has_text = "text_input" in inputs
     has_ids = "input_ids" in inputs
@@ -346,14 +382,13 @@ def decode_request(
         # prompts (ensembles) never get their prompt back unless they ask.
         exclude = stream or has_ids
     if stream and not exclude:
-        raise RequestError("exclude_input_in_output=false is not allowed when streaming")
+        raise RequestError(
+            f"{STREAM_WITH_PROMPT_MESSAGE} Set input 'exclude_input_in_output' to true or leave it out when "
+            "'stream' is true"
+        )
 
-    fields = parse_sampling_fields(parameters_json, "request parameters")
-    fields = {k: v for k, v in fields.items() if k not in TRITON_RESERVED_PARAMETERS and not k.startswith("triton_")}
-    if "sampling_parameters" in inputs:
-        text = string_input("sampling_parameters", inputs["sampling_parameters"])
-        fields.update(parse_sampling_fields(text, "input 'sampling_parameters'"))
-    params = sampling_params(fields, stream, model)
+    fields, source = sampling_fields(inputs, parameters_json)
+    params = sampling_params(fields, stream, model, source)
     if not exclude and prompt_text is None:
         prompt_text = decode(prompt_ids)
     returns = ReturnFlags(**{name.removeprefix("return_"): bool(flags[name]) for name in RETURN_FLAGS})

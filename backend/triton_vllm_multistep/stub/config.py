@@ -14,13 +14,28 @@ from pathlib import Path
 from typing import Any
 
 from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.engine.events import STREAM_MODES, StreamMode
 
 logger = logging.getLogger("triton_vllm_multistep")
 MODEL_JSON = "model.json"
 # Engine arguments that name files or folders: resolved against the model folder when relative.
 PATH_ARGS = ("model", "tokenizer", "download_dir")
 # Defaults of the shipped backend where vLLM's own differ (multi-step is the point of it).
+# `disable_log_stats` here only keeps vLLM's own stat loggers off (their log lines and in-process
+# registry cost a pass over the batch per step); this backend's metrics do not come from them.
 ENGINE_DEFAULTS: dict[str, Any] = {"num_scheduler_steps": 8, "disable_log_stats": True}
+# Fields of vLLM 0.8.5's AsyncEngineArgs that EngineArgs lacks (Triton's vLLM backend builds an
+# AsyncLLMEngine from model.json): accepted so its model.json loads, ignored here, and why.
+ASYNC_ONLY_ENGINE_ARGS: dict[str, str] = {
+    "disable_log_requests": "this backend drives LLMEngine, which logs no requests",
+}
+# Metrics switches in config.pbtxt: ours and Triton's vLLM backend's name for the same thing.
+METRICS_PARAMETER = "enable_metrics"
+THEIR_METRICS_PARAMETER = "REPORT_CUSTOM_METRICS"
+# Metrics are on unless switched off: their cost is a few batched calls per finished request
+# (Triton's vLLM backend defaults to off because its metrics run vLLM's stat logging per step).
+METRICS_DEFAULT = True
+THEIR_HEALTH_CHECK_PARAMETER = "ENABLE_VLLM_HEALTH_CHECK"
 
 
 class ConfigError(ValueError):
@@ -41,18 +56,19 @@ class Limits:
 class BackendSettings:
     """Everything the backend needs besides the engine arguments."""
 
-    stream_per_step: bool = True
+    # config.pbtxt `stream_mode`; model.json's `multi_step_stream_outputs` (vLLM's name) is an alias.
+    stream_mode: StreamMode = "step"
     cpu_kvcache_space_gib: int = 1
     enable_metrics: bool = True
     limits: Limits = dataclasses.field(default_factory=Limits)
     # On engine failure, ask Triton to unload the model (works in explicit model-control mode).
     unload_on_engine_failure: bool = True
     # How long requests in flight may finish once Triton unloads the model or stops; None: derived
-    # from the server's --exit-timeout-secs (see drain.py).
+    # from the server's --exit-timeout-secs (see lifecycle/drain.py).
     unload_drain_seconds: float | None = None
 
 
-def _parameter_values(model_config: dict[str, Any]) -> dict[str, str]:
+def parameter_values(model_config: dict[str, Any]) -> dict[str, str]:
     """config.pbtxt `parameters { key: ... value { string_value: ... } }` as a plain dict."""
     return {key: value.get("string_value", "") for key, value in (model_config.get("parameters") or {}).items()}
 
@@ -86,15 +102,68 @@ def _as_seconds(name: str, text: str) -> float:
     return value
 
 
+def stream_mode_setting(params: dict[str, str], engine_json: dict[str, Any]) -> StreamMode:
+    """config.pbtxt `stream_mode` and model.json `multi_step_stream_outputs` (its alias): either, or both agreeing."""
+    from_json = engine_json.get("multi_step_stream_outputs")
+    if from_json is not None and not isinstance(from_json, bool):
+        raise ConfigError(f"model.json: 'multi_step_stream_outputs' must be true or false, got {from_json!r}")
+    if "stream_mode" not in params:
+        return "window" if from_json is False else "step"
+    mode = params["stream_mode"].strip().lower()
+    if mode not in STREAM_MODES:
+        raise ConfigError(f"config.pbtxt parameter 'stream_mode' must be 'step' or 'window', got {mode!r}")
+    per_step = mode == "step"
+    if from_json is not None and from_json != per_step:
+        raise ConfigError(
+            f"config.pbtxt parameter 'stream_mode'={mode!r} and model.json 'multi_step_stream_outputs'="
+            f"{str(from_json).lower()} disagree: set one of them, or both to the same choice "
+            "('step' = true, 'window' = false)"
+        )
+    return mode  # type: ignore[return-value]  # checked against STREAM_MODES above
+
+
+def metrics_setting(params: dict[str, str], engine_json: dict[str, Any]) -> bool:
+    """Whether metrics are reported: `enable_metrics` or `REPORT_CUSTOM_METRICS`, and model.json's `disable_log_stats`.
+
+    The two switches are the same setting under two names: both given and different is an error.
+    As in Triton's vLLM backend, `disable_log_stats: true` in model.json turns metrics off (a
+    warning says so when a switch asked for them).
+    """
+    given = {
+        name: _as_bool(name, params[name]) for name in (METRICS_PARAMETER, THEIR_METRICS_PARAMETER) if name in params
+    }
+    if len(set(given.values())) > 1:
+        raise ConfigError(
+            f"config.pbtxt parameters {METRICS_PARAMETER!r}={params[METRICS_PARAMETER]!r} and "
+            f"{THEIR_METRICS_PARAMETER!r}={params[THEIR_METRICS_PARAMETER]!r} disagree: they are the same switch, "
+            "set one of them"
+        )
+    enabled = next(iter(given.values())) if given else METRICS_DEFAULT
+    disable_log_stats = engine_json.get("disable_log_stats")
+    if disable_log_stats is not None and not isinstance(disable_log_stats, bool):
+        raise ConfigError(f"model.json: 'disable_log_stats' must be true or false, got {disable_log_stats!r}")
+    if enabled and disable_log_stats:
+        if given:
+            logger.warning(
+                "vllm_multistep: metrics are off: model.json 'disable_log_stats': true wins over config.pbtxt "
+                "parameter %s=true (as in Triton's vLLM backend); remove one of them",
+                " / ".join(given),
+            )
+        return False
+    return enabled
+
+
 def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) -> BackendSettings:
-    """Backend settings from config.pbtxt parameters; `stream_mode` may also follow model.json."""
-    params = _parameter_values(model_config)
-    stream_per_step = bool(engine_json.get("multi_step_stream_outputs", True))
-    if "stream_mode" in params:
-        mode = params["stream_mode"].strip().lower()
-        if mode not in ("step", "window"):
-            raise ConfigError(f"config.pbtxt parameter 'stream_mode' must be 'step' or 'window', got {mode!r}")
-        stream_per_step = mode == "step"
+    """Backend settings from config.pbtxt parameters, checked against the model.json fields that overlap them."""
+    params = parameter_values(model_config)
+    stream_mode = stream_mode_setting(params, engine_json)
+    if THEIR_HEALTH_CHECK_PARAMETER in params:
+        _as_bool(THEIR_HEALTH_CHECK_PARAMETER, params[THEIR_HEALTH_CHECK_PARAMETER])
+        logger.info(
+            "vllm_multistep: config.pbtxt parameter %s is accepted and has no effect: the engine is always "
+            "watched (see unload_on_engine_failure)",
+            THEIR_HEALTH_CHECK_PARAMETER,
+        )
     defaults = Limits()
     limits = Limits(
         max_prompt_tokens=_as_int("max_prompt_tokens", params.get("max_prompt_tokens", "0")),
@@ -105,9 +174,9 @@ def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) 
         ),
     )
     return BackendSettings(
-        stream_per_step=stream_per_step,
+        stream_mode=stream_mode,
         cpu_kvcache_space_gib=_as_int("cpu_kvcache_space_gib", params.get("cpu_kvcache_space_gib", "1"), minimum=1),
-        enable_metrics=_as_bool("enable_metrics", params.get("enable_metrics", "true")),
+        enable_metrics=metrics_setting(params, engine_json),
         limits=limits,
         unload_on_engine_failure=_as_bool("unload_on_engine_failure", params.get("unload_on_engine_failure", "true")),
         unload_drain_seconds=(
@@ -146,7 +215,7 @@ def apply_config_engine_args(engine_json: dict[str, Any], model_config: dict[str
     CUDA needs FlashAttention, hence fp16/bf16). The parameter holds a JSON object of engine
     arguments; each field it sets wins over model.json's for that config, and is logged.
     """
-    text = _parameter_values(model_config).get(ENGINE_ARGS_PARAMETER, "").strip()
+    text = parameter_values(model_config).get(ENGINE_ARGS_PARAMETER, "").strip()
     if not text:
         return engine_json
     try:
@@ -171,16 +240,12 @@ def engine_args(engine_json: dict[str, Any], model_dir: Path, settings: BackendS
     """vLLM `EngineArgs` from model.json: unknown fields refused, paths resolved, defaults filled."""
     from vllm.engine.arg_utils import EngineArgs
 
-    known = {field.name for field in dataclasses.fields(EngineArgs)}
-    unknown = sorted(set(engine_json) - known)
-    if unknown:
-        raise ConfigError(f"model.json: unknown vLLM engine argument(s): {', '.join(unknown)}")
-    values = {**ENGINE_DEFAULTS, **engine_json}
+    values = {**ENGINE_DEFAULTS, **engine_fields(engine_json, {field.name for field in dataclasses.fields(EngineArgs)})}
     for name in PATH_ARGS:
         value = values.get(name)
         if isinstance(value, str) and value:
             values[name] = resolve_path(value, model_dir)
-    values["multi_step_stream_outputs"] = settings.stream_per_step
+    values["multi_step_stream_outputs"] = settings.stream_mode == "step"
     steps = values["num_scheduler_steps"]
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ConfigError(f"model.json: 'num_scheduler_steps' must be an integer >= 1, got {steps!r}")
@@ -188,6 +253,33 @@ def engine_args(engine_json: dict[str, Any], model_dir: Path, settings: BackendS
         return EngineArgs(**values)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"model.json: {error}") from None
+
+
+def engine_fields(engine_json: dict[str, Any], known: set[str]) -> dict[str, Any]:
+    """model.json fields for EngineArgs (`known`): AsyncEngineArgs-only ones dropped (logged), unknown refused."""
+    unknown = sorted(set(engine_json) - known - set(ASYNC_ONLY_ENGINE_ARGS))
+    if unknown:
+        raise ConfigError(
+            f"model.json: unknown vLLM engine argument(s): {', '.join(unknown)} "
+            "(accepted: the fields of vLLM 0.8.5's AsyncEngineArgs)"
+        )
+    values = dict(engine_json)
+    for name, why in ASYNC_ONLY_ENGINE_ARGS.items():
+        if name in values and name not in known:
+            logger.info("vllm_multistep: model.json field %r is ignored: %s", name, why)
+            del values[name]
+    return values
+
+
+def instance_count(model_config: dict[str, Any], visible_gpus: int) -> int:
+    """How many instances of this model version Triton runs (instance_group count × GPUs for KIND_GPU)."""
+    total = 0
+    for group in model_config.get("instance_group") or [{}]:
+        count = int(group.get("count", 1) or 1)
+        if group.get("kind", "KIND_GPU" if visible_gpus else "KIND_CPU") == "KIND_GPU":
+            count *= len(group.get("gpus") or []) or max(1, visible_gpus)
+        total += count
+    return max(1, total)
 
 
 def resolve_path(value: str, model_dir: Path) -> str:

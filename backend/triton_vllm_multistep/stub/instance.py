@@ -1,7 +1,7 @@
 """One model instance: config → engine + engine thread + response thread; Triton's entry points.
 
 Owns wiring the pieces together and the Triton-facing lifecycle (auto-complete, initialize,
-execute, finalize); must not parse inputs (codec) or drive the engine (engine_loop).
+execute, finalize); must not parse inputs (codec) or drive the engine (engine/loop.py).
 """
 
 from __future__ import annotations
@@ -16,12 +16,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from triton_vllm_multistep.lifecycle import drain, protocol, triton_command
-from triton_vllm_multistep.stub import codec, config
+from triton_vllm_multistep.stub import codec, config, triton_io
 from triton_vllm_multistep.stub.detokenization import window_decoder
-from triton_vllm_multistep.stub.device import instance_device_environment
+from triton_vllm_multistep.stub.device import gpu_count, instance_device_environment
 
 logger = logging.getLogger("triton_vllm_multistep")
 if not logger.handlers:  # the stub's stderr is Triton's log; say who is speaking
@@ -39,7 +37,13 @@ INPUTS = [
     ("sampling_parameters", "TYPE_STRING", [1], True),
     ("exclude_input_in_output", "TYPE_BOOL", [1], True),
     *((name, "TYPE_BOOL", [1], True) for name in codec.RETURN_FLAGS),
+    # Declared as Triton's vLLM backend does (base64 images) so its clients' configs load; refused per request.
+    (codec.IMAGE_INPUT, "TYPE_STRING", [-1], True),
 ]
+# How long an engine failure waits for the model to be reported not ready before failing its requests.
+NOT_READY_WAIT_SECONDS = 2.0
+# Triton's vLLM backend's words for a request refused by a failed engine, kept as the leading phrase.
+UNHEALTHY_ENGINE_MESSAGE = "Model is unavailable due to unhealthy vLLM engine"
 OUTPUTS = [
     ("text_output", "TYPE_STRING", [-1]),
     ("output_ids", "TYPE_INT32", [-1]),
@@ -100,28 +104,46 @@ class ModelServer:
         )
         # The stub is a child of tritonserver: its command line says how it runs.
         self._server_command = triton_command.of_process(os.getppid())
+        endpoint = self._server_command.http_endpoint if self._server_command else None
+        # Asked after an engine failure, until the server reports this model not ready.
+        self._readiness = (
+            drain.HttpReadiness(endpoint, self.model_name, str(args.get("model_version", "1"))) if endpoint else None
+        )
         torch_threads = serving_torch_threads()
         # Warmed up in the engine thread: a setting that would fail the first request fails the load.
         self.loop = EngineLoop(
-            lambda: warmed_up(build_engine(engine_args, stream_per_step=self.settings.stream_per_step), engine_args),
+            lambda: warmed_up(build_engine(engine_args, stream_mode=self.settings.stream_mode), engine_args),
             torch_threads,
         )
         self.engine = self.loop.start_engine()  # a failed build has ended the engine thread
         try:
-            self._tokenizer = self._load_tokenizer(engine_args)
             model = self.engine.model_config
+            if str(model.dtype) == "torch.float16" and self.engine.device_config.device_type == "cpu":
+                # vLLM's "auto" turns float32 checkpoints into float16, which its CPU kernels lack: the
+                # first request would kill the engine ("reshape_and_cache_cpu_impl" not implemented for 'Half').
+                raise config.ConfigError(
+                    f"model.json 'dtype' ({engine_args.dtype!r}) resolves to float16, which vLLM cannot run on "
+                    'CPU: set "dtype": "float32" or "bfloat16"'
+                )
+            self._tokenizer = self._load_tokenizer(engine_args)
             tokenizer_vocab = getattr(self._tokenizer, "max_token_id", len(self._tokenizer) - 1) + 1
             self.limits = codec.ModelLimits(
                 vocab_size=min(model.get_vocab_size(), tokenizer_vocab),
                 max_model_len=model.max_model_len,
                 limits=self.settings.limits,
+                model_name=model.model,
+                multimodal=bool(getattr(model, "is_multimodal_model", False)),
             )
             self.metrics = None
             if self.settings.enable_metrics:
                 from triton_vllm_multistep.stub.metrics import BackendMetrics
 
                 self.metrics = BackendMetrics(
-                    pb_utils, model_config["name"], str(args.get("model_version", "1")), model.max_model_len
+                    pb_utils,
+                    model_config["name"],
+                    str(args.get("model_version", "1")),
+                    model.max_model_len,
+                    instances=config.instance_count(model_config, gpu_count()),
                 )
             self.responder = Responder(pb_utils, abort=lambda rid: self.loop.abort(rid), observer=self.metrics)
             self.responder.window_decode = window_decoder(self._load_tokenizer(engine_args))
@@ -156,7 +178,7 @@ class ModelServer:
             "drains for up to %.1f s on unload",
             model.model,
             self.engine.scheduler_config.num_scheduler_steps,
-            "step" if self.settings.stream_per_step else "scheduling window",
+            "step" if self.settings.stream_mode == "step" else "scheduling window",
             self.loop.torch_threads,
             self.drain.drain_seconds,
         )
@@ -173,14 +195,6 @@ class ModelServer:
             revision=engine_args.tokenizer_revision,
         )
 
-    def _inputs(self, request: Any) -> dict[str, np.ndarray]:
-        inputs = {}
-        for name in INPUT_NAMES:
-            tensor = self._pb.get_input_tensor_by_name(request, name)
-            if tensor is not None:
-                inputs[name] = tensor.as_numpy()
-        return inputs
-
     def execute(self, requests: list[Any]) -> None:
         """Validate and enqueue; responses come from the responder thread."""
         from triton_vllm_multistep.stub.responder import RequestState
@@ -191,13 +205,11 @@ class ModelServer:
                 self._refuse(sender)
                 continue
             if not self.loop.healthy:
-                self.responder.send_error(
-                    sender, self.loop.error or "the engine is not running", self._pb.TritonError.UNAVAILABLE
-                )
+                self.responder.send_error(sender, self._unhealthy_message(), self._pb.TritonError.UNAVAILABLE)
                 continue
             try:
                 generation = codec.decode_request(
-                    self._inputs(request),
+                    triton_io.input_arrays(self._pb, request, INPUT_NAMES),
                     request.parameters(),
                     self.limits,
                     encode=self._tokenizer.encode,
@@ -216,7 +228,13 @@ class ModelServer:
             if self.metrics is not None:
                 from triton_vllm_multistep.stub.metrics import RequestTiming
 
-                timing = RequestTiming(time.time(), len(generation.prompt_token_ids), generation.stream)
+                timing = RequestTiming(
+                    time.time(),
+                    len(generation.prompt_token_ids),
+                    generation.stream,
+                    # With best_of > n, vLLM's SamplingParams keeps the client's n in _real_n.
+                    n=generation.sampling_params._real_n or generation.sampling_params.n,
+                )
             if not self.responder.register(engine_id, RequestState(sender=sender, request=generation, timing=timing)):
                 self._refuse(sender)  # draining began since the check above
                 continue
@@ -224,16 +242,22 @@ class ModelServer:
             if not self.loop.healthy:
                 # The engine died between the check above and the submit: nobody else will
                 # answer this request (fail() is a no-op if the death handling already did).
-                self.responder.fail(
-                    engine_id, self.loop.error or "the engine is not running", self._pb.TritonError.UNAVAILABLE
-                )
+                self.responder.fail(engine_id, self._unhealthy_message(), self._pb.TritonError.UNAVAILABLE)
+
+    def _unhealthy_message(self) -> str:
+        return f"{UNHEALTHY_ENGINE_MESSAGE}: {self.loop.error or 'the engine is not running'}"
 
     def _refuse(self, sender: Any) -> None:
         reason = self.responder.intake_closed
         self.responder.send_error(sender, f"{reason}: not taking new requests", self._pb.TritonError.UNAVAILABLE)
 
     def _on_engine_death(self, message: str) -> None:
-        """Engine thread, once: report it, then take the model out of service if Triton lets us."""
+        """Engine thread, once, before the requests in flight are failed: take the model out of service.
+
+        The unload is asked first and readiness watched until the server reports the model not
+        ready (at most NOT_READY_WAIT_SECONDS), so a client that checks readiness on getting its
+        error finds the model not ready.
+        """
         if self.metrics is not None:
             self.metrics.on_engine_died()
         if not self.settings.unload_on_engine_failure:
@@ -241,27 +265,36 @@ class ModelServer:
                 "vllm_multistep: model %s: engine failed (%s); answering UNAVAILABLE", self.model_name, message
             )
             return
-        threading.Thread(target=self._unload_self, args=(message,), name="vllm-self-unload", daemon=True).start()
+        unload: dict[str, bool] = {}  # "requested": True / False once Triton was asked
+        threading.Thread(target=self._unload_self, args=(message, unload), name="vllm-self-unload", daemon=True).start()
+        is_ready = self._readiness
+        deadline = time.monotonic() + NOT_READY_WAIT_SECONDS
+        while time.monotonic() < deadline and unload.get("requested") is not False:
+            if is_ready is not None and unload.get("requested") and is_ready() is not True:
+                return  # not ready (or the endpoint no longer answers)
+            if is_ready is None and "requested" in unload:
+                return  # nothing to ask readiness of
+            time.sleep(0.01)
 
-    def _unload_self(self, message: str, wait_seconds: float = 10.0) -> None:
-        """Ask Triton to unload this model (explicit model control only), once in-flight requests got their FINAL.
+    def _unload_self(self, message: str, unload: dict[str, bool]) -> None:
+        """Ask Triton to unload this model (explicit model control only); `unload["requested"]` says how it went.
 
         Python-based backends in Triton 2.51 cannot report "not ready" themselves (no `is_ready`
-        hook): unloading is the only way to stop the model being reported ready. In other
-        model-control modes Triton refuses, and the model stays loaded answering UNAVAILABLE.
+        hook): unloading is the only way to stop the model being reported ready. Triton reports it
+        not ready from the moment the unload starts and waits for the requests in flight, which
+        the engine's failure is ending. In other model-control modes Triton refuses, and the model
+        stays loaded answering UNAVAILABLE.
         """
-        deadline = time.monotonic() + wait_seconds
-        while self.responder.in_flight() and time.monotonic() < deadline:
-            time.sleep(0.05)
         mode = self._server_command.model_control_mode if self._server_command else None
         try:
             # Triton refuses unloads outside explicit model control; a refused model-loader call takes
             # the 2.51 Python backend's error path for stub requests, the path that broke
-            # is_model_ready during a server stop (see drain.py), so it is not made.
+            # is_model_ready during a server stop (see lifecycle/drain.py), so it is not made.
             if mode not in (None, "explicit"):
                 raise RuntimeError(f"the server runs with --model-control-mode={mode}")
             self._pb.unload_model(self.model_name)
         except Exception as error:
+            unload["requested"] = False
             logger.error(
                 "vllm_multistep: engine of model %s failed (%s); could not unload it (%s): it stays loaded and "
                 "answers UNAVAILABLE until the server is restarted (use --model-control-mode=explicit to have "
@@ -271,6 +304,7 @@ class ModelServer:
                 error,
             )
         else:
+            unload["requested"] = True
             logger.error(
                 "vllm_multistep: engine of model %s failed (%s); model unload requested", self.model_name, message
             )

@@ -3,15 +3,23 @@
 Owns metric names, labels, buckets and the batching of updates; must not decide anything from
 them. Every pb_utils metric call is a blocking round trip from the stub to tritonserver (about
 20 µs idle, more under load), so nothing here calls pb_utils per response: the responder and
-engine threads record into plain Python accumulators and `maybe_flush()` (responder thread)
-pushes them at most every `FLUSH_SECONDS`.
+engine threads record into plain Python accumulators, and the responder pushes them (`flush()`)
+before it sends any FINAL, so a request's counts are on the endpoint by the time its client has
+its last response; in between, `maybe_flush()` pushes streaming progress at most every
+`FLUSH_SECONDS`, and at once when the engine goes idle.
 
-- The `vllm:` metrics have the names, kinds and buckets of Triton's vLLM backend. Their
-  observations are per request (a handful of calls per finished request, made at flush time).
-- The `vllm_multistep:` histograms are per engine step or per response, too frequent for one
-  call each, so they are aggregated in Python and exposed as Prometheus histogram series
-  (`NAME_bucket{le=...}`, `NAME_sum`, `NAME_count`) built from counters: a flush costs one call
-  per changed bucket however many observations it holds, and `histogram_quantile()` works on them.
+- The `vllm:` metrics have the names, kinds, buckets and labels (exactly model, version) of
+  Triton's vLLM backend. Request-level ones are observed once per finished request;
+  `vllm:time_per_output_token_seconds` once per generated token after a sequence's first, as
+  vLLM does (latency since the sequence's previous token; tokens that reach the stub together
+  share their interval evenly, so count and sum are vLLM's and the spread is per response).
+- Per-token and per-step histograms are too frequent for one call each, so they are aggregated
+  in Python and exposed as Prometheus histogram series (`NAME_bucket{le=...}`, `NAME_sum`,
+  `NAME_count`) built from counters: a flush costs one call per changed bucket however many
+  observations it holds, and `histogram_quantile()` works on them.
+- Instances of one model version (instance_group count > 1, several GPUs) share each series
+  (same name and labels): counters and histograms add up, and gauges are kept as sums too, each
+  instance adding the change of its own value (KV-cache usage: the mean over the instances).
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ import gc
 import math
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from triton_vllm_multistep.engine.events import KvCacheStats, StepOutputs
@@ -31,6 +40,7 @@ FLUSH_SECONDS = 0.25
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
 TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
 E2E_BUCKETS = [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]
 TOKENS_PER_RESPONSE_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
 # Per-step host times: tens of µs (idle host) to hundreds of ms (an overloaded one).
 STEP_SECONDS_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
@@ -56,9 +66,10 @@ class RequestTiming:
     arrival: float  # time.time() when execute() accepted it
     prompt_tokens: int
     stream: bool
+    n: int = 1  # completions the client asked for (the `n` sampling parameter)
     first_token_at: float | None = None
-    last_token_at: float | None = None
-    generated: int = 0  # tokens of all completions so far
+    last_token_at: dict[int, float] = field(default_factory=dict)  # completion index → its latest token's time
+    generated: int = 0  # tokens of all completions (and best_of candidates) so far
 
 
 class _BatchedHistogram:
@@ -96,6 +107,25 @@ class _BatchedHistogram:
             self._sum_metric.increment(total)
 
 
+class _SummedGauge:
+    """This instance's share of a gauge that all instances of the model version add to.
+
+    `set()` adds the change of this instance's value (times `weight`), so the series holds the
+    sum over instances (weight 1) or their mean (weight 1 / instances).
+    """
+
+    def __init__(self, metric: Any, weight: float = 1.0) -> None:
+        self._metric = metric
+        self._weight = weight
+        self._value = 0.0
+
+    def set(self, value: float) -> None:
+        change = value - self._value
+        if change:
+            self._metric.increment(change * self._weight)
+            self._value = value
+
+
 def _le(bound: float) -> str:
     if math.isinf(bound):
         return "+Inf"
@@ -105,7 +135,7 @@ def _le(bound: float) -> str:
 class BackendMetrics:
     """All metrics of one model instance, labelled with model and version like Triton's vLLM backend."""
 
-    def __init__(self, pb_utils: Any, model: str, version: str, max_model_len: int) -> None:
+    def __init__(self, pb_utils: Any, model: str, version: str, max_model_len: int, instances: int = 1) -> None:
         labels = {"model": model, "version": version}
         kinds = pb_utils.MetricFamily
         # A Metric is only valid while its MetricFamily object lives: keep every family.
@@ -116,8 +146,8 @@ class BackendMetrics:
             self._families.append(created)
             return created
 
-        def gauge(name: str, description: str) -> Any:
-            return family(name, description, kinds.GAUGE).Metric(labels=labels)
+        def gauge(name: str, description: str, weight: float = 1.0) -> _SummedGauge:
+            return _SummedGauge(family(name, description, kinds.GAUGE).Metric(labels=labels), weight)
 
         def counter(name: str, description: str) -> Any:
             return family(name, description, kinds.COUNTER).Metric(labels=labels)
@@ -134,13 +164,21 @@ class BackendMetrics:
         # Engine state (gauges), sampled by the engine thread at most every 0.25 s.
         self._running = gauge("vllm:num_requests_running", "Number of requests currently running on the engine")
         self._waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting (or swapped out)")
-        self._usage = gauge("vllm:gpu_cache_usage_perc", "KV-cache usage, 1 = full (CPU memory on CPU hosts)")
+        self._usage = gauge(
+            "vllm:gpu_cache_usage_perc",
+            "KV-cache usage, 1 = full (CPU memory on CPU hosts; the mean over the model's instances)",
+            weight=1.0 / max(1, instances),
+        )
         self._free = gauge("vllm_multistep:kv_cache_free_blocks", "Free KV-cache blocks")
         self._total = gauge("vllm_multistep:kv_cache_total_blocks", "All KV-cache blocks")
-        self._alive = gauge("vllm_multistep:engine_alive", "1 while the engine runs, 0 once it has failed")
+        self._alive = gauge(
+            "vllm_multistep:engine_alive", "Instances of the model whose engine runs (1 per instance, 0 once failed)"
+        )
         # vLLM V0's name for the device KV cache's hit rate (CPU memory on CPU hosts, as gpu_cache_usage_perc).
         self._prefix_hit_rate = gauge(
-            "vllm:gpu_prefix_cache_hit_rate", "Prefix-cache block hit rate since start, 0-1 (-1: prefix caching off)"
+            "vllm:gpu_prefix_cache_hit_rate",
+            "Prefix-cache block hit rate since start, 0-1, mean over the model's instances (-1: prefix caching off)",
+            weight=1.0 / max(1, instances),
         )
         # What Triton's vLLM backend reports, under its names.
         self._prompt_tokens = counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.")
@@ -149,10 +187,8 @@ class BackendMetrics:
         self._ttft = histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
         )
-        self._tpot = histogram(
-            "vllm:time_per_output_token_seconds",
-            "Histogram of time per output token in seconds (one observation per request: its mean).",
-            TPOT_BUCKETS,
+        self._tpot = batched(
+            "vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", TPOT_BUCKETS
         )
         self._e2e = histogram(
             "vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", E2E_BUCKETS
@@ -163,6 +199,7 @@ class BackendMetrics:
         self._request_generation = histogram(
             "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets
         )
+        self._params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", PARAMS_N_BUCKETS)
         # What only a multi-step backend can show.
         self._windows = counter(
             "vllm_multistep:scheduling_windows_total", "Scheduling rounds (multi-step windows) the engine ran"
@@ -181,6 +218,7 @@ class BackendMetrics:
             STEP_SECONDS_BUCKETS,
         )
         self._alive.set(1)
+        self._idle_unflushed = False
         # Accumulators: responder thread only, except `_engine_state` (one reference, swapped whole).
         self._engine_state: KvCacheStats | None = None
         self._flushed_state: KvCacheStats | None = None
@@ -189,28 +227,61 @@ class BackendMetrics:
         self._windows_pending = 0
         self._finished: list[tuple[RequestTiming, float]] = []
         self._flushed_at = 0.0
+        self._gauges = (self._running, self._waiting, self._usage, self._free, self._total, self._alive)
         self._flush_lock = threading.Lock()  # the responder flushes; close() flushes once more
 
     # --- engine thread -------------------------------------------------------------------
     def update_engine_state(self, stats: KvCacheStats) -> None:
         self._engine_state = stats
+        if stats.running == 0 and stats.waiting == 0:
+            self._idle_unflushed = True  # the responder flushes at once: nothing more is coming
 
     # --- responder thread ----------------------------------------------------------------
     def on_response(
-        self, timing: RequestTiming, tokens: int, finished: bool, now: float, engine_first_token: float | None = None
+        self,
+        timing: RequestTiming,
+        tokens_per_completion: Iterable[tuple[int, int]],
+        finished: bool,
+        now: float,
+        engine_first_token: float | None = None,
+        unreturned: tuple[int, int] = (0, 0),
     ) -> None:
-        """A response carrying `tokens` new tokens (all completions) was sent to a client.
+        """A response carrying new tokens, as (completion index, count) pairs, is about to go to a client.
 
         `engine_first_token` (time.time()) is the engine's own first-token time, for responses
-        that are not streamed and so arrive only once everything is generated.
+        that are not streamed and so arrive only once everything is generated. `unreturned` is
+        (tokens, sequences) of best_of candidates the engine generated and did not return; vLLM
+        counts them as generated tokens.
         """
         if timing.first_token_at is None:
-            if tokens or finished:
+            tokens_per_completion = [(index, count) for index, count in tokens_per_completion if count]
+            if tokens_per_completion or finished:
                 self._prompt_pending += timing.prompt_tokens
-            if tokens:
+            if tokens_per_completion:
                 timing.first_token_at = now if engine_first_token is None else min(now, engine_first_token)
+        first = timing.first_token_at
+        last_token_at = timing.last_token_at
+        observe = self._tpot.observe
+        tokens = 0
+        for index, count in tokens_per_completion:
+            if not count:
+                continue
+            tokens += count
+            previous = last_token_at.get(index)
+            if previous is None:
+                previous, gaps = first, count - 1  # a sequence's first token is time to first token
+            else:
+                gaps = count
+            if gaps > 0:
+                observe(max(0.0, now - previous) / gaps, gaps)
+            last_token_at[index] = now
+        unreturned_tokens, unreturned_sequences = unreturned
+        if unreturned_tokens and first is not None:
+            gaps = unreturned_tokens - unreturned_sequences
+            if gaps > 0:
+                self._tpot.observe(max(0.0, now - first) * unreturned_sequences / gaps, gaps)
+        tokens += unreturned_tokens
         if tokens:
-            timing.last_token_at = now
             timing.generated += tokens
             self._generation_pending += tokens
             if timing.stream:
@@ -227,10 +298,12 @@ class BackendMetrics:
         self._overhead.observe(max(0.0, event.step_seconds - event.forward_seconds))
 
     def on_engine_died(self) -> None:
-        """Every request in the engine has been failed: say so at once (engine thread)."""
-        self._alive.set(0)
-        self._running.set(0)
-        self._waiting.set(0)
+        """The engine has failed and its requests are being failed: say so at once (engine thread)."""
+        with self._flush_lock:
+            self._engine_state = None
+            self._alive.set(0)
+            self._running.set(0)
+            self._waiting.set(0)
 
     def close(self) -> None:
         """Push what is pending, then delete this instance's series from the endpoint.
@@ -241,6 +314,8 @@ class BackendMetrics:
         with self._flush_lock:
             try:
                 self._flush()
+                for gauge in self._gauges:
+                    gauge.set(0)  # take this instance's share out of series other instances keep
             finally:
                 # Metrics first, their families after (pb_utils requires that order).
                 keep = ("_flush_lock", "_families")
@@ -251,8 +326,10 @@ class BackendMetrics:
                 gc.collect()
 
     def maybe_flush(self, now: float | None = None) -> None:
+        """Push streaming progress at most every FLUSH_SECONDS, and everything once the engine goes idle."""
         now = time.monotonic() if now is None else now
-        if now - self._flushed_at >= FLUSH_SECONDS:
+        if self._idle_unflushed or now - self._flushed_at >= FLUSH_SECONDS:
+            self._idle_unflushed = False
             self._flushed_at = now
             self.flush()
 
@@ -276,11 +353,10 @@ class BackendMetrics:
             self._e2e.observe(max(0.0, ended - timing.arrival))
             self._request_prompt.observe(timing.prompt_tokens)
             self._request_generation.observe(timing.generated)
+            self._params_n.observe(timing.n)
             if timing.first_token_at is not None:
                 self._ttft.observe(max(0.0, timing.first_token_at - timing.arrival))
-                if timing.generated > 1 and timing.last_token_at is not None:
-                    self._tpot.observe((timing.last_token_at - timing.first_token_at) / (timing.generated - 1))
-        for histogram in (self._tokens_per_response, self._lag, self._overhead):
+        for histogram in (self._tpot, self._tokens_per_response, self._lag, self._overhead):
             histogram.flush()
         state = self._engine_state
         if state is not None and state != self._flushed_state:

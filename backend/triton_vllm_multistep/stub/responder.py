@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import heapq
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from triton_vllm_multistep.engine.events import EngineDied, EngineEvent, RequestFailed, StepOutputs
 from triton_vllm_multistep.lifecycle.protocol import ENSEMBLE_CATCH_UP_SECONDS
-from triton_vllm_multistep.stub import codec
+from triton_vllm_multistep.stub import codec, triton_io
 
 logger = logging.getLogger(__name__)
 CANCEL_SWEEP_SECONDS = 0.05
@@ -28,6 +28,107 @@ CANCEL_SWEEP_SECONDS = 0.05
 CANCEL_CHECK_SECONDS = 0.1
 CANCEL_CHECKS_PER_SWEEP = 4
 _NOTHING = object()  # queue wait timed out: time to sweep for cancellations
+# The most engine steps (StepOutputs events, each one step's outputs for every running request)
+# queued for the response thread; when it is this far behind, the engine thread waits
+# (backpressure) instead of running ahead. Two scheduling windows of the shipped
+# num_scheduler_steps=8: the engine can finish its window and the next while the response thread
+# rides out a stall (a GC pause, slow Triton IPC; 16 GPU steps of 2-10 ms = 30-160 ms), and a
+# response path that is slower than the engine for good adds at most 16 of its steps to each
+# response's latency, and holds at most 16 steps of outputs in memory, instead of without limit.
+MAX_QUEUED_STEPS = 16
+# Log the engine's waiting at most this often, once it adds up to BACKPRESSURE_LOG_MIN_WAIT s
+# (short waits are the bound doing its job; a response path behind for good is worth a line).
+BACKPRESSURE_LOG_SECONDS = 60.0
+BACKPRESSURE_LOG_MIN_WAIT = 1.0
+
+
+class EventQueue:
+    """FIFO from the engine thread (and control calls) to the response thread.
+
+    Engine steps are bounded (`max_steps`): `put_step` waits for room. Everything else (request
+    failures, engine death, end-all, stop) is never refused and never waits, so stopping cannot
+    wait on a full queue. Order is kept across both: a request's FINAL stays after its earlier
+    outputs. Once closed (the response thread is gone), puts return at once and drop the item:
+    nobody is left to send it, and every request has had its FINAL or never will.
+    """
+
+    def __init__(self, max_steps: int = MAX_QUEUED_STEPS) -> None:
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be at least 1, got {max_steps}")
+        self.max_steps = max_steps
+        self._items: deque[object] = deque()
+        self._steps = 0
+        self._closed = False
+        self._ready = threading.Condition(threading.Lock())
+        self.waiting = 0  # put_step calls waiting for room now
+        self.waited_seconds = 0.0  # total time put_step waited for room
+        self._logged_at = -BACKPRESSURE_LOG_SECONDS
+        self._logged_wait = 0.0
+
+    def put_step(self, event: StepOutputs) -> bool:
+        """Queue one step, waiting while `max_steps` are queued; False if closed (dropped)."""
+        with self._ready:
+            if self._steps >= self.max_steps and not self._closed:
+                started = time.monotonic()
+                self.waiting += 1
+                while self._steps >= self.max_steps and not self._closed:
+                    self._ready.wait()
+                self.waiting -= 1
+                self._note_wait(started)
+            if self._closed:
+                return False
+            self._steps += 1
+            self._items.append(event)
+            self._ready.notify_all()
+            return True
+
+    def put(self, item: object) -> bool:
+        """Queue anything but a step, without waiting; False if closed (dropped)."""
+        with self._ready:
+            if self._closed:
+                return False
+            self._items.append(item)
+            self._ready.notify_all()
+            return True
+
+    def get(self, timeout: float) -> object:
+        """The oldest item, _NOTHING after `timeout` seconds without one, None once closed (stop)."""
+        with self._ready:
+            if not self._items and not self._closed:
+                self._ready.wait(timeout)
+            if self._closed:
+                return None
+            if not self._items:
+                return _NOTHING
+            item = self._items.popleft()
+            if isinstance(item, StepOutputs):
+                self._steps -= 1
+                self._ready.notify_all()
+            return item
+
+    def close(self) -> None:
+        """No more items: release every waiting put and refuse later ones."""
+        with self._ready:
+            self._closed = True
+            self._items.clear()
+            self._steps = 0
+            self._ready.notify_all()
+
+    def queued_steps(self) -> int:
+        return self._steps
+
+    def _note_wait(self, started: float) -> None:
+        now = time.monotonic()
+        self.waited_seconds += now - started
+        unlogged = self.waited_seconds - self._logged_wait
+        if now - self._logged_at >= BACKPRESSURE_LOG_SECONDS and unlogged >= BACKPRESSURE_LOG_MIN_WAIT:
+            logger.warning(
+                "responses fall behind the engine: %d steps queued, the engine thread waited %.2f s for the "
+                "response thread since the last report (backpressure; no output is dropped)",
+                self.max_steps,
+                unlogged,
+            )
+            self._logged_at, self._logged_wait = now, self.waited_seconds
 
 
 @dataclass(frozen=True)
@@ -51,7 +152,13 @@ class RequestState:
 class Responder:
     """Consumes engine events on its own thread; every registered request gets one FINAL."""
 
-    def __init__(self, pb_utils: Any, abort: Callable[[str], None], observer: Any = None) -> None:
+    def __init__(
+        self,
+        pb_utils: Any,
+        abort: Callable[[str], None],
+        observer: Any = None,
+        max_queued_steps: int = MAX_QUEUED_STEPS,
+    ) -> None:
         self._pb = pb_utils
         self._abort = abort
         self._observer = observer
@@ -60,7 +167,7 @@ class Responder:
         self._states: dict[str, RequestState] = {}
         self.intake_closed: str | None = None  # why new requests are refused, once they are
         self._lock = threading.Lock()
-        self._events: queue.SimpleQueue[EngineEvent | EndRequests | None] = queue.SimpleQueue()
+        self._events = EventQueue(max_queued_steps)
         self._final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         self._thread = threading.Thread(target=self._run, name="triton-responder", daemon=True)
 
@@ -68,14 +175,27 @@ class Responder:
         self._thread.start()
 
     def stop(self, reason: str, timeout: float = 10.0) -> None:
-        """Fail whatever is still in flight (server shutting down), then end the thread."""
+        """Fail whatever is still in flight (server shutting down), then end the thread.
+
+        Never waits on a full queue; an engine thread still waiting to post is released when the
+        response thread ends (or here, if it does not end in time).
+        """
         self._events.put(EngineDied(reason, []))
         self._events.put(None)
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._events.close()
 
     def post(self, event: EngineEvent) -> None:
-        """Called from the engine thread: a queue put, nothing more."""
-        self._events.put(event)
+        """Called from the engine thread: a queue put; waits while MAX_QUEUED_STEPS steps are queued."""
+        if isinstance(event, StepOutputs):
+            self._events.put_step(event)
+        else:
+            self._events.put(event)
+
+    def queued_steps(self) -> int:
+        """Engine steps waiting for the response thread (cheap: a counter read)."""
+        return self._events.queued_steps()
 
     def end_all(self, message: str) -> None:
         """Any thread: have the response thread end every request in flight.
@@ -107,7 +227,7 @@ class Responder:
             return list(self._states)
 
     def error_response(self, message: str, code: Any) -> Any:
-        return self._pb.InferenceResponse(error=self._pb.TritonError(message, code))
+        return triton_io.error_response(self._pb, message, code)
 
     def send_error(self, sender: Any, message: str, code: Any) -> None:
         """One error response flagged FINAL, to a request that never got into the engine."""
@@ -124,12 +244,15 @@ class Responder:
             self.send_error(state.sender, message, code)
 
     def _run(self) -> None:
+        try:
+            self._serve_events()
+        finally:
+            self._events.close()  # however this thread ends, the engine thread must not wait on it
+
+    def _serve_events(self) -> None:
         last_sweep = time.monotonic()
         while True:
-            try:
-                event = self._events.get(timeout=CANCEL_SWEEP_SECONDS)
-            except queue.Empty:
-                event = _NOTHING
+            event = self._events.get(timeout=CANCEL_SWEEP_SECONDS)
             if event is None:
                 return
             if event is not _NOTHING:
@@ -145,7 +268,10 @@ class Responder:
                     logger.exception("flushing metrics failed")
             if now - last_sweep >= CANCEL_SWEEP_SECONDS:
                 last_sweep = now
-                self._sweep_cancelled()
+                try:
+                    self._sweep_cancelled()
+                except Exception:  # an IPC error must not end the thread that sends every response
+                    logger.exception("checking for cancelled requests failed")
 
     def _handle(self, event: EngineEvent | EndRequests) -> None:
         if isinstance(event, StepOutputs):
@@ -166,6 +292,7 @@ class Responder:
                 self.fail(request_id, event.message, self._pb.TritonError.UNAVAILABLE)
 
     def _send_outputs(self, event: StepOutputs) -> None:
+        ready: list[tuple[Any, RequestState, Any, bool]] = []
         for output in event.outputs:
             state = self._states.get(output.request_id)
             if state is None:
@@ -173,9 +300,7 @@ class Responder:
             finished = output.finished
             try:
                 arrays = codec.encode_response(output, state.request, state.first, self.window_decode)
-                response = self._pb.InferenceResponse(
-                    output_tensors=[self._pb.Tensor(name, array) for name, array in arrays.items()]
-                )
+                response = triton_io.response(self._pb, arrays)
             except Exception as error:
                 logger.exception("could not encode response for %s", output.request_id)
                 self._abort(output.request_id)
@@ -187,6 +312,10 @@ class Responder:
             if finished:
                 with self._lock:
                     self._states.pop(output.request_id, None)
+            ready.append((output, state, response, finished))
+        if self._observer is not None:
+            self._observe(event, ready)
+        for output, state, response, finished in ready:
             try:
                 state.sender.send(response, flags=self._final if finished else 0)
             except Exception:
@@ -195,21 +324,44 @@ class Responder:
                     self._abort(output.request_id)
                     with self._lock:
                         self._states.pop(output.request_id, None)
-            if self._observer is not None and state.timing is not None:
-                engine_first = None
-                if not state.request.stream and output.metrics is not None:
-                    engine_first = getattr(output.metrics, "first_token_time", None)
-                tokens = sum(len(c.token_ids) for c in output.outputs)
-                self._observer.on_response(state.timing, tokens, finished, time.time(), engine_first)
         if self._observer is not None:
             self._observer.on_step(event, time.perf_counter())
+
+    def _observe(self, event: StepOutputs, ready: list[tuple[Any, RequestState, Any, bool]]) -> None:
+        """Record the responses about to be sent; flush first if any is a FINAL.
+
+        A client that scrapes the metrics once it has its FINAL must find its request counted, so
+        the flush comes before the sends (one flush for all FINALs of the step).
+        """
+        now = time.time()
+        finals = False
+        for output, state, _, finished in ready:
+            if state.timing is None:
+                continue
+            engine_first = None
+            if not state.request.stream and output.metrics is not None:
+                engine_first = getattr(output.metrics, "first_token_time", None)
+            self._observer.on_response(
+                state.timing,
+                [(c.index, len(c.token_ids)) for c in output.outputs],
+                finished,
+                now,
+                engine_first,
+                event.unreturned.get(output.request_id, (0, 0)) if finished else (0, 0),
+            )
+            finals = finals or finished
+        if finals:
+            try:
+                self._observer.flush()
+            except Exception:
+                logger.exception("flushing metrics failed")
 
     def _cancelled(self, request_id: str, state: RequestState, now: float) -> bool:
         state.last_cancel_check = now
         if not state.sender.is_cancelled():
             return False
         self._abort(request_id)
-        self.fail(request_id, "request cancelled by the client", self._pb.TritonError.CANCELLED)
+        self.fail(request_id, "Request was cancelled by the client", self._pb.TritonError.CANCELLED)
         return True
 
     def _sweep_cancelled(self) -> None:

@@ -14,7 +14,15 @@ from typing import Any
 import numpy as np
 
 from triton_vllm_multistep.demo import models as demo_models
-from triton_vllm_multistep.stub.codec import RequestError, string_input, string_value
+from triton_vllm_multistep.stub import triton_io
+from triton_vllm_multistep.stub.codec import (
+    RequestError,
+    check_max_tokens,
+    parse_sampling_fields,
+    string_input,
+    string_value,
+)
+from triton_vllm_multistep.stub.config import parameter_values
 from triton_vllm_multistep.stub.detokenization import slice_window, window_decoder
 
 # Scalar ensemble inputs that map onto one vLLM sampling field (TensorRT-LLM name → vLLM name).
@@ -29,6 +37,9 @@ SCALAR_FIELDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "frequency_penalty": ("frequency_penalty", float),
     "min_length": ("min_tokens", int),
 }
+
+
+DEFAULT_TOKENIZER = "demo://tiny-llama-bpe"
 
 
 def load_tokenizer(reference: str) -> Any:
@@ -71,12 +82,8 @@ class Preprocessor:
     def sampling_parameters(self, inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
         fields: dict[str, Any] = {}
         if "sampling_parameters" in inputs:
-            try:
-                fields = json.loads(string_input("sampling_parameters", inputs["sampling_parameters"]) or "{}")
-            except json.JSONDecodeError as error:
-                raise RequestError(f"input 'sampling_parameters' is not valid JSON: {error.msg}") from None
-            if not isinstance(fields, dict):
-                raise RequestError("input 'sampling_parameters' must be a JSON object")
+            text = string_input("sampling_parameters", inputs["sampling_parameters"])
+            fields = parse_sampling_fields(text, "input 'sampling_parameters'")
         for name, (field_name, kind) in SCALAR_FIELDS.items():
             if name in inputs:
                 values = inputs[name].reshape(-1)
@@ -84,8 +91,8 @@ class Preprocessor:
                     raise RequestError(f"input '{name}' must hold one value, got {values.size}")
                 fields[field_name] = kind(values[0].item())
         max_tokens = fields.get("max_tokens")
-        if isinstance(max_tokens, int) and max_tokens < 1:
-            raise RequestError(f"input 'max_tokens' must be >= 1, got {max_tokens}")
+        if isinstance(max_tokens, int):
+            check_max_tokens(max_tokens, "input 'max_tokens'")
         if "stop_words" in inputs:
             fields["stop"] = [*_listify(fields.get("stop")), *_word_list("stop_words", inputs["stop_words"])]
         if "bad_words" in inputs:
@@ -130,24 +137,10 @@ def run_batch(
     responses = []
     for request in requests:
         try:
-            inputs = {}
-            for name in names:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                if tensor is not None:
-                    inputs[name] = tensor.as_numpy()
-            arrays = handler(inputs)
-            tensors = [pb_utils.Tensor(name, array) for name, array in arrays.items()]
-            responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
+            responses.append(triton_io.response(pb_utils, handler(triton_io.input_arrays(pb_utils, request, names))))
         except (RequestError, ValueError, TypeError, OverflowError) as error:
-            responses.append(
-                pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG))
-            )
+            responses.append(triton_io.error_response(pb_utils, str(error), pb_utils.TritonError.INVALID_ARG))
     return responses
-
-
-def parameter(model_config: dict[str, Any], name: str, default: str) -> str:
-    value = (model_config.get("parameters") or {}).get(name, {}).get("string_value")
-    return value if value else default
 
 
 def python_model(pb_utils: Any, handler_class: type[Preprocessor] | type[Postprocessor]) -> type:
@@ -157,7 +150,7 @@ def python_model(pb_utils: Any, handler_class: type[Preprocessor] | type[Postpro
         def initialize(self, args: dict[str, str]) -> None:
             config = json.loads(args["model_config"])
             self._names = [item["name"] for item in config["input"]]
-            tokenizer_dir = parameter(config, "tokenizer_dir", "demo://tiny-llama-bpe")
+            tokenizer_dir = parameter_values(config).get("tokenizer_dir") or DEFAULT_TOKENIZER
             self._handler = handler_class(load_tokenizer(tokenizer_dir))
 
         def execute(self, requests: list[Any]) -> list[Any]:

@@ -1,8 +1,9 @@
 """A real tritonserver started through the project's launcher on free local ports.
 
 For tests, benchmarks and scripts. Owns copying a model folder with changed settings, ports,
-readiness polling, the server's process tree and clean shutdown; knows nothing about what the
-models do. Needs psutil and requests (test extra).
+readiness polling (with a restart when a start stalls or loses its ports), the server's process
+tree (found through lifecycle.procfs, handed out as psutil processes for measuring) and clean
+shutdown; knows nothing about what the models do. Needs psutil and requests (test extra).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from triton_vllm_multistep.lifecycle import procfs, triton_command
 
 
 def copy_model(
@@ -106,31 +109,20 @@ class ServerProcess:
 
     def descendants(self) -> list[Any]:
         """psutil processes below the launcher: tritonserver and its Python backend stubs."""
-        import psutil
-
-        try:
-            return psutil.Process(self.process.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
+        return _as_psutil(procfs.descendants(self.process.pid))
 
     def process_groups(self) -> dict[str, list[Any]]:
         """Live tritonserver and Python backend stub processes (where the engines run), as psutil processes."""
-        import psutil
-
-        groups: dict[str, list[Any]] = {"tritonserver": [], "stub": []}
-        for proc in self.descendants():
-            try:
-                if proc.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                command = " ".join(proc.cmdline())
-                name = proc.name()
-            except psutil.Error:  # gone meanwhile
+        groups: dict[str, list[int]] = {"tritonserver": [], "stub": []}
+        for pid in procfs.descendants(self.process.pid):
+            argv = procfs.cmdline(pid)
+            if not procfs.alive(pid):
                 continue
-            if "triton_python_backend_stub" in command:
-                groups["stub"].append(proc)
-            elif name == "tritonserver":
-                groups["tritonserver"].append(proc)
-        return groups
+            if triton_command.is_python_backend_stub(argv):
+                groups["stub"].append(pid)
+            elif triton_command.is_tritonserver(argv):
+                groups["tritonserver"].append(pid)
+        return {kind: _as_psutil(pids) for kind, pids in groups.items()}
 
     def stop(self, timeout: float = 120.0) -> int:
         """SIGTERM the launcher (it drains the models, then stops tritonserver); returns its exit code.
@@ -149,6 +141,18 @@ class ServerProcess:
                 self.process.kill()
                 self.process.wait(10)
         return self.process.returncode
+
+
+def _as_psutil(pids: list[int]) -> list[Any]:
+    import psutil
+
+    processes = []
+    for pid in pids:
+        try:
+            processes.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:  # gone meanwhile
+            pass
+    return processes
 
 
 def start_server(repository: Path, log_path: Path, *extra_args: str, env: dict | None = None) -> ServerProcess:
@@ -170,3 +174,33 @@ def start_server(repository: Path, log_path: Path, *extra_args: str, env: dict |
     log = log_path.open("w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment)
     return ServerProcess(process, http_port, grpc_port, metrics_port, log_path)
+
+
+def start_ready_server(
+    repository: Path,
+    log_path: Path,
+    *extra_args: str,
+    env: dict | None = None,
+    timeout: float = 300.0,
+    poll: float = 0.25,
+    attempts: int = 2,
+) -> tuple[ServerProcess, float]:
+    """Start a server and wait until READY; returns it and its seconds from start to READY.
+
+    A start is retried (on new ports, with a log of its own: `<name>-retry<N>.log`) when it stalls
+    past `timeout` (a model load was seen to stall once on a heavily loaded host) or when a port
+    was taken between choosing and binding it (other servers starting on the host meanwhile).
+    """
+    for attempt in range(attempts):
+        log = log_path if attempt == 0 else log_path.with_name(f"{log_path.stem}-retry{attempt}{log_path.suffix}")
+        started = time.monotonic()
+        server = start_server(repository, log, *extra_args, env=env)
+        try:
+            return server, server.wait_ready(timeout=timeout, poll=poll, started=started)
+        except (TimeoutError, RuntimeError) as error:
+            server.stop()
+            port_taken = isinstance(error, RuntimeError) and "already in use" in log.read_text(errors="replace")
+            if attempt == attempts - 1 or not (isinstance(error, TimeoutError) or port_taken):
+                raise
+            print(f"server start failed ({type(error).__name__}); starting again on other ports", flush=True)
+    raise AssertionError("unreachable")

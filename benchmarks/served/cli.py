@@ -1,0 +1,126 @@
+"""Served streaming benchmark: the backend through a real tritonserver vs the same engine offline.
+
+One command (`.venv/bin/python -m benchmarks.served_bench`, `--quick` for a short run, `--smoke`
+for the quickest run that goes through every part) measures, on the model of `--model` (default
+the demo model) with the shipped model.json settings and a 1 GiB KV cache:
+
+1. the ceilings: the same engine offline (`LLM.generate` on the whole batch, steps 1 and 8, each
+   in a child process of its own, with torch on all cores and on all cores but one) and the
+   forward-only ceiling of `step_timing`;
+2. served, `num_scheduler_steps` 1;
+3. served, steps 8, one response per decoded step (`stream_mode` step);
+4. served, steps 8, one response per scheduling window (`stream_mode` window);
+
+at each concurrency (1, 8, 32, 64 streams by default). One server per configuration, started
+one after the other and all kept running. At each level the waves alternate between them (the
+order rotating) and after each round the offline engines run the same batch, so that the
+figures a ratio compares are taken seconds apart and a shared host's drift hits them alike (the
+processes not being measured sit idle). The load generator is `tritonclient.grpc.aio`:
+`concurrency` streams start together (one wave; a few waves per level and configuration), each
+with a distinct prompt, greedy, a fixed number of output tokens (`ignore_eos`). Throughput is that
+of the best wave, offline that of the best run; latencies are over all waves. CPU seconds per
+1,000 output tokens are measured with psutil for tritonserver, the Python backend stub (where the
+engine runs) and this client. Writes benchmarks/results/served.json, .md and .png; asserts
+nothing, but prints whether each target of the performance issue (benchmarks/served/targets.toml)
+is met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.served import report, servers
+from benchmarks.served.offline import OfflineEngines
+from benchmarks.served.settings import CONFIGS, DEFAULT_MODEL_REFERENCE, KV_CACHE_GIB, RESULTS_DIR
+
+
+def model_reference(value: str) -> str:
+    """A model.json `model` reference: demo://NAME, a Hugging Face id, or a folder (made absolute)."""
+    from triton_vllm_multistep.demo import models as demo_models
+
+    if value.startswith(demo_models.DEMO_SCHEME):
+        return value
+    path = Path(value).expanduser()
+    return str(path.resolve()) if path.exists() else value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--model",
+        type=model_reference,
+        default=DEFAULT_MODEL_REFERENCE,
+        help="what model.json's 'model' becomes: demo://NAME, a model folder or a Hugging Face id "
+        f"(default {DEFAULT_MODEL_REFERENCE}); the other model.json settings stay the shipped ones",
+    )
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--wave-scale", type=float, default=1.0, help="scales the number of waves per level")
+    parser.add_argument("--quick", action="store_true", help="concurrency 1 and 32 only, fewer waves")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the quickest run through every part (1 stream, 8 tokens, 2 waves; output served-smoke.json): "
+        "proves the benchmark works, measures nothing worth keeping",
+    )
+    parser.add_argument("--skip-offline", action="store_true", help="reuse the offline figures of --output")
+    parser.add_argument("--output", type=Path, default=None, help="default benchmarks/results/served.json")
+    args = parser.parse_args()
+
+    if args.quick:
+        args.concurrency = [1, 32]
+        args.wave_scale = 0.5
+    if args.smoke:
+        args.concurrency = [1]
+        args.max_tokens = 8
+        args.wave_scale = 0.0  # the minimum: 2 waves
+    if args.output is None:
+        args.output = RESULTS_DIR / ("served-smoke.json" if args.smoke else "served.json")
+    from triton_vllm_multistep.demo import models as demo_models
+
+    demo_models.resolve(args.model)  # builds a demo model before anything times its load
+    started = time.monotonic()
+    engines = None
+    if args.skip_offline and args.output.exists():
+        offline = json.loads(args.output.read_text())["offline"]
+    else:
+        engines = OfflineEngines(args.max_tokens, args.model)  # built before the servers start, idle meanwhile
+    try:
+        with tempfile.TemporaryDirectory(prefix="served-bench-") as tmp:
+            served = servers.run_served(
+                args.configs, args.concurrency, args.max_tokens, args.wave_scale, Path(tmp), args.model, engines
+            )
+        if engines is not None:
+            offline = engines.results()
+    finally:
+        if engines is not None:
+            engines.close()
+    results = {
+        "model": args.model,
+        "max_tokens": args.max_tokens,
+        "kv_cache_gib": int(KV_CACHE_GIB),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "command": " ".join(["python -m benchmarks.served_bench", *sys.argv[1:]]),
+        "wall_seconds": None,
+        "offline": offline,
+        "served": served,
+    }
+    report.annotate(results)
+    results["wall_seconds"] = time.monotonic() - started
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=1) + "\n")
+    chart = args.output.with_suffix(".png")
+    report.plot(results, chart)
+    table = report.format_table(results)
+    args.output.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    print(f"written to {args.output} (and .md, .png) in {results['wall_seconds']:.0f} s")

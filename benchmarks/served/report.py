@@ -1,0 +1,207 @@
+"""The report: ratios to the offline ceiling and to steps 1, the targets' verdicts, the table and the chart.
+
+Owns turning measured figures into ratios, verdicts (limits from `targets.toml`), Markdown and a
+PNG; must not measure anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from benchmarks.served.settings import CONFIGS, TARGET_CONCURRENCY, TARGETS
+
+
+def annotate(results: dict[str, Any]) -> None:
+    """Ratios to the ceiling and to steps 1, and the targets' verdicts."""
+    offline = results["offline"]["llm_generate"]
+    ceilings = {c: max(offline[s][c] for s in offline) for c in offline["1"]}
+    results["ceiling_tokens_per_s"] = ceilings
+    # The served engine runs torch on all cores but one: the offline figure at that thread count too.
+    by_threads = results["offline"].get("llm_generate_by_threads") or {}
+    served_threads = str(min(results["offline"].get("torch_threads") or [0]))
+    same_threads = {
+        c: max(by_threads[s][served_threads][c] for s in by_threads)
+        for c in ceilings
+        if by_threads and all(served_threads in by_threads[s] for s in by_threads)
+    }
+    results["ceiling_same_threads_tokens_per_s"] = same_threads
+    served = {c["name"]: {lvl["concurrency"]: lvl for lvl in c["levels"]} for c in results["served"]}
+    for config in results["served"]:
+        for level in config["levels"]:
+            c = level["concurrency"]
+            level["vs_ceiling"] = level["tokens_per_s"] / ceilings[str(c)]
+            same = same_threads.get(str(c))
+            level["vs_ceiling_same_threads"] = level["tokens_per_s"] / same if same else None
+            base = served.get("steps1", {}).get(c)
+            level["vs_steps1"] = level["tokens_per_s"] / base["tokens_per_s"] if base else None
+
+    def ratio(name: str, key: str, concurrency: int = TARGET_CONCURRENCY) -> float | None:
+        level = served.get(name, {}).get(concurrency)
+        return level[key] if level else None
+
+    checks: list[dict[str, Any]] = []
+
+    def check(label: str, value: float | None, limit: float, at_least: bool) -> None:
+        met = None if value is None else (value >= limit if at_least else value <= limit)
+        checks.append({"target": label, "value": value, "limit": limit, "at_least": at_least, "met": met})
+
+    c = TARGET_CONCURRENCY
+    check(
+        f"c={c}: steps 8 per step / offline ceiling",
+        ratio("steps8_step", "vs_ceiling"),
+        TARGETS["steps8_step_vs_ceiling"],
+        True,
+    )
+    check(
+        f"c={c}: steps 8 per window / offline ceiling",
+        ratio("steps8_window", "vs_ceiling"),
+        TARGETS["steps8_window_vs_ceiling"],
+        True,
+    )
+    for name, label in (("steps8_step", "per step"), ("steps8_window", "per window")):
+        check(
+            f"(info) c={c}: steps 8 {label} / offline at the served thread count",
+            ratio(name, "vs_ceiling_same_threads"),
+            TARGETS[f"{name}_vs_ceiling"],
+            True,
+        )
+    check(
+        f"c={c}: steps 8 per step / steps 1", ratio("steps8_step", "vs_steps1"), TARGETS["steps8_step_vs_steps1"], True
+    )
+    check(
+        f"c={c}: steps 8 per window / steps 1",
+        ratio("steps8_window", "vs_steps1"),
+        TARGETS["steps8_window_vs_steps1"],
+        True,
+    )
+    for name in CONFIGS:
+        level = served.get(name, {}).get(1)
+        check(
+            f"c=1: TTFT p50 (ms), {CONFIGS[name].label}",
+            level["ttft_ms"]["p50"] if level else None,
+            TARGETS["ttft_ms_at_1"],
+            False,
+        )
+    step, one = served.get("steps8_step", {}).get(1), served.get("steps1", {}).get(1)
+    itl_ratio = step["itl_ms"]["p50"] / one["itl_ms"]["p50"] if step and one else None
+    check("c=1: ITL p50 steps 8 per step / steps 1", itl_ratio, TARGETS["itl_step_vs_steps1_at_1"], False)
+    for config in results["served"]:
+        check(f"start to READY (s), {config['label']}", config["ready_seconds"], TARGETS["ready_seconds"], False)
+        check(
+            f"idle RSS of server processes (GB), {config['label']}",
+            config["idle_memory"]["rss_gb"],
+            TARGETS["idle_memory_gb"],
+            False,
+        )
+    results["targets"] = checks
+
+
+def format_table(results: dict[str, Any]) -> str:
+    lines = []
+    offline = results["offline"]
+    header = (
+        "| configuration | streams | tok/s | vs ceiling (same threads) | vs steps 1 | resp/s | TTFT p50/p90/p99 ms "
+        "| ITL p50/p90/p99 ms | errors | CPU s/1k tok server/stub/client |"
+    )
+    lines.append(header)
+    lines.append("|" + "---|" * 10)
+    concurrencies = list(offline["llm_generate"]["1"])
+    for steps in sorted(offline["llm_generate"]):
+        for c in concurrencies:
+            value = offline["llm_generate"][steps][c]
+            lines.append(
+                f"| offline LLM.generate, steps {steps} | {c} | {value:.0f} | "
+                f"{value / results['ceiling_tokens_per_s'][c]:.2f} | | | | | | |"
+            )
+    for c in concurrencies:
+        lines.append(f"| forward-only ceiling | {c} | {offline['forward_only'][c]:.0f} | | | | | | | |")
+
+    def fmt(p: dict[str, float | None], digits: int) -> str:
+        return "/".join("-" if p[k] is None else f"{p[k]:.{digits}f}" for k in ("p50", "p90", "p99"))
+
+    for config in results["served"]:
+        for level in config["levels"]:
+            cpu = level["cpu_s_per_1k_tokens"]
+            vs1 = "" if level["vs_steps1"] is None else f"{level['vs_steps1']:.2f}"
+            same = level.get("vs_ceiling_same_threads")
+            vs_ceiling = f"{level['vs_ceiling']:.2f}" + ("" if same is None else f" ({same:.2f})")
+            lines.append(
+                f"| {config['label']} | {level['concurrency']} | {level['tokens_per_s']:.0f} | "
+                f"{vs_ceiling} | {vs1} | {level['responses_per_s']:.0f} | "
+                f"{fmt(level['ttft_ms'], 1)} | {fmt(level['itl_ms'], 2)} | {level['errors']} | "
+                f"{cpu['tritonserver']:.3f}/{cpu['stub']:.3f}/{cpu['client']:.3f} |"
+            )
+    lines.append("")
+    lines.append("| configuration | start to READY s | idle RSS GB (PSS GB) |")
+    lines.append("|---|---|---|")
+    for config in results["served"]:
+        memory = config["idle_memory"]
+        lines.append(
+            f"| {config['label']} | {config['ready_seconds']:.1f} | {memory['rss_gb']:.2f} ({memory['pss_gb']:.2f}) |"
+        )
+    lines.append("")
+    lines.append("| target | value | limit | met |")
+    lines.append("|---|---|---|---|")
+    for check in results["targets"]:
+        value = "-" if check["value"] is None else f"{check['value']:.3g}"
+        sign = "≥" if check["at_least"] else "≤"
+        met = {True: "yes", False: "NO", None: "not run"}[check["met"]]
+        lines.append(f"| {check['target']} | {value} | {sign} {check['limit']} | {met} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    offline = results["offline"]
+    concurrencies = [int(c) for c in offline["llm_generate"]["1"]]
+    ax = axes[0]
+    for steps, figures in sorted(offline["llm_generate"].items()):
+        ax.plot(
+            concurrencies,
+            [figures[str(c)] for c in concurrencies],
+            "k--" if steps == "8" else "k:",
+            label=f"offline LLM.generate, steps {steps}",
+        )
+    served_threads = str(min(offline.get("torch_threads") or [0]))
+    same_threads = (offline.get("llm_generate_by_threads") or {}).get("8", {}).get(served_threads)
+    if same_threads:
+        ax.plot(
+            concurrencies,
+            [same_threads[str(c)] for c in concurrencies],
+            color="tab:purple",
+            linestyle="--",
+            label=f"offline LLM.generate, steps 8, at the served torch threads ({served_threads})",
+        )
+    ax.plot(
+        concurrencies,
+        [offline["forward_only"][str(c)] for c in concurrencies],
+        color="grey",
+        linestyle="-.",
+        label="forward-only ceiling",
+    )
+    for config in results["served"]:
+        xs = [lvl["concurrency"] for lvl in config["levels"]]
+        axes[0].plot(xs, [lvl["tokens_per_s"] for lvl in config["levels"]], "o-", label=config["label"])
+        axes[1].plot(xs, [lvl["ttft_ms"]["p50"] for lvl in config["levels"]], "o-", label=config["label"])
+        axes[2].plot(xs, [lvl["itl_ms"]["p50"] for lvl in config["levels"]], "o-", label=config["label"])
+    titles = ("output tokens/s", "time to first token p50 (ms)", "inter-token latency p50 (ms)")
+    for axis, title in zip(axes, titles, strict=True):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(concurrencies, [str(c) for c in concurrencies])
+        axis.set_xlabel("concurrent streams")
+        axis.set_title(title)
+        axis.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(
+        f"{results['model']}, {results['max_tokens']} tokens per request, greedy, ignore_eos; "
+        f"{results['cpu_count']} CPUs"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,101 @@
+"""Server orchestration: one tritonserver per configuration, all kept running, levels run on them in turn.
+
+Owns the model repository of each configuration, starting the servers (through
+`testing.local_server.start_ready_server`), their idle memory, and the order in which levels run;
+must not generate load itself (`load`) or judge results (`report`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.served import load
+from benchmarks.served.offline import OfflineEngines
+from benchmarks.served.settings import CONFIGS, KV_CACHE_GIB, MODEL, SOURCE_MODEL
+from triton_vllm_multistep.testing import local_server
+from triton_vllm_multistep.testing.local_server import ServerProcess
+
+
+def make_repository(target: Path, steps: int, stream_mode: str, model: str) -> Path:
+    engine = {"num_scheduler_steps": steps, "model": model}
+    local_server.copy_model(SOURCE_MODEL, target / MODEL, engine, {"stream_mode": stream_mode})
+    return target
+
+
+def start_server(repository: Path, log_path: Path) -> tuple[ServerProcess, float]:
+    """Start the launcher on free ports; returns the server and its seconds from start to READY."""
+    return local_server.start_ready_server(
+        repository, log_path, env={"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}, poll=0.05, attempts=3
+    )
+
+
+def memory_of(server: ServerProcess) -> dict[str, float]:
+    """Resident (RSS) and proportional (PSS) memory of tritonserver + stubs, in GB."""
+    rss = pss = 0
+    for proc in [p for group in server.process_groups().values() for p in group]:
+        try:
+            info = proc.memory_full_info()
+        except Exception:
+            continue
+        rss += info.rss
+        pss += getattr(info, "pss", info.rss)
+    return {"rss_gb": rss / 1e9, "pss_gb": pss / 1e9}
+
+
+def run_served(
+    names: list[str],
+    concurrencies: list[int],
+    max_tokens: int,
+    wave_scale: float,
+    workdir: Path,
+    model: str,
+    offline: OfflineEngines | None = None,
+) -> list[dict[str, Any]]:
+    """One server per configuration, started one after the other (start-up and idle memory are
+    measured while the others idle), then every concurrency level on all of them, interleaved."""
+    servers: dict[str, ServerProcess] = {}
+    served: dict[str, dict[str, Any]] = {}
+    try:
+        for name in names:
+            config = CONFIGS[name]
+            label, steps, mode = config.label, config.num_scheduler_steps, config.stream_mode
+            repository = make_repository(workdir / name, steps, mode, model)
+            server, ready = start_server(repository, workdir / f"{name}.log")
+            servers[name] = server
+            print(f"{label}: READY after {ready:.1f} s", flush=True)
+            time.sleep(3.0)  # let start-up allocations settle before reading idle memory
+            served[name] = {
+                "name": name,
+                "label": label,
+                "num_scheduler_steps": steps,
+                "stream_mode": mode,
+                "ready_seconds": ready,
+                "idle_memory": memory_of(server),
+                "levels": [],
+            }
+        for index, concurrency in enumerate(concurrencies):
+            levels = asyncio.run(
+                load.run_level(
+                    servers,
+                    concurrency,
+                    load.waves_for(concurrency, wave_scale),
+                    max_tokens,
+                    10_000 * (index + 1),
+                    offline,
+                )
+            )
+            for name, level in levels.items():
+                served[name]["levels"].append(level)
+                print(
+                    f"  {served[name]['label']}, c={concurrency:3d}: {level['tokens_per_s']:8.1f} tok/s"
+                    f"  ttft p50 {level['ttft_ms']['p50']:.1f} ms  itl p50 {level['itl_ms']['p50']:.2f} ms"
+                    f"  errors {level['errors']}",
+                    flush=True,
+                )
+    finally:
+        for server in servers.values():
+            server.stop()
+    return [served[name] for name in names]

@@ -1,0 +1,243 @@
+"""Request codec: Triton input arrays → a validated request (every error names its input or field),
+sampling JSON → typed SamplingParams, engine outputs → response arrays.
+
+The end-to-end tier sends the same kinds of bad input through a real server (test_llm_e2e.py,
+test_fuzz.py); here each rule is checked on its own, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sequence import Logprob
+
+from triton_vllm_multistep.stub import codec
+from triton_vllm_multistep.stub.config import Limits
+
+VOCAB = 100
+MODEL = codec.ModelLimits(vocab_size=VOCAB, max_model_len=64)
+
+
+def encode(text: str) -> list[int]:
+    """A stand-in tokenizer: one token per character (enough for validation rules)."""
+    return [1 + ord(char) % (VOCAB - 1) for char in text]
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(chr(96 + i % 26) for i in ids)
+
+
+def text(value: str | bytes) -> np.ndarray:
+    return np.array([value.encode() if isinstance(value, str) else value], dtype=np.object_)
+
+
+def boolean(value: bool) -> np.ndarray:
+    return np.array([value])
+
+
+def request(
+    inputs: dict[str, np.ndarray], parameters: dict[str, Any] | None = None, model: codec.ModelLimits = MODEL
+) -> codec.GenerationRequest:
+    return codec.decode_request(inputs, json.dumps(parameters or {}), model, encode, decode)
+
+
+def sampling(fields: dict[str, Any], **inputs: np.ndarray) -> dict[str, np.ndarray]:
+    return {"text_input": text("hello"), "sampling_parameters": text(json.dumps(fields)), **inputs}
+
+
+def test_a_text_prompt_with_typed_sampling_fields() -> None:
+    fields = {
+        "temperature": "0.5",  # strings of numbers are accepted, as Triton's vLLM backend does
+        "max_tokens": "7",
+        "top_k": 3.0,  # a whole float is an integer
+        "ignore_eos": "true",
+        "stop": "x",  # one string → a list of one
+        "stop_token_ids": [5, "6"],
+        "logit_bias": {"7": -1},
+    }
+    generation = request(sampling(fields, stream=boolean(True)))
+    params = generation.sampling_params
+    assert generation.prompt_token_ids == encode("hello")
+    assert generation.stream is True
+    assert generation.prepend_prompt is False  # streams never get the prompt back
+    assert (params.temperature, params.max_tokens, params.top_k, params.ignore_eos) == (0.5, 7, 3, True)
+    assert params.stop == ["x"] and params.stop_token_ids == [5, 6] and params.logit_bias == {7: -1.0}
+    assert params.output_kind.name == "DELTA"
+    assert request(sampling({})).sampling_params.output_kind.name == "FINAL_ONLY"
+
+
+def test_the_prompt_is_prepended_only_to_text_prompts_that_are_not_streamed() -> None:
+    plain = request({"text_input": text("hello")})
+    assert plain.prepend_prompt is True and plain.prompt_text == "hello"
+    ids = request({"input_ids": np.array([3, 4, 5], dtype=np.int32)})
+    assert ids.prepend_prompt is False and ids.prompt_token_ids == [3, 4, 5]
+    asked = request({"input_ids": np.array([3, 4], dtype=np.int32), "exclude_input_in_output": boolean(False)})
+    assert asked.prepend_prompt is True and asked.prompt_text == decode([3, 4])
+
+
+def test_request_parameters_are_sampling_fields_and_the_input_wins() -> None:
+    parameters = {"temperature": 0.3, "top_p": 0.5, "sequence_id": 9, "triton_enable_empty_final_response": True}
+    generation = request(sampling({"temperature": 0.7}), parameters)
+    assert generation.sampling_params.temperature == 0.7  # sampling_parameters wins
+    assert generation.sampling_params.top_p == 0.5  # Triton's own keys are not sampling fields
+
+
+def test_a_configured_max_tokens_limit_also_caps_the_default() -> None:
+    limited = codec.ModelLimits(VOCAB, 64, Limits(max_tokens=8))
+    assert request({"text_input": text("hi")}, model=limited).sampling_params.max_tokens == 8
+    assert request(sampling({"max_tokens": 8}), model=limited).sampling_params.max_tokens == 8
+
+
+def test_return_flags_are_read_and_windows_keep_the_context() -> None:
+    generation = request(
+        {
+            "input_ids": np.array([1, 2], dtype=np.int32),
+            "return_finish_reason": boolean(True),
+            "return_detokenization_window": np.array([1], dtype=np.int8),  # 0/1 integers count as BOOL
+        }
+    )
+    assert generation.returns.finish_reason and generation.returns.detokenization_window
+    assert not generation.returns.logprobs
+    assert generation.context_ids == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("inputs", "parameters", "model", "message"),
+    [
+        (
+            {"text_input": text("a"), "input_ids": np.array([1], np.int32)},
+            None,
+            MODEL,
+            "exactly one of 'text_input' or 'input_ids' is required, not both",
+        ),
+        ({"stream": boolean(True)}, None, MODEL, "exactly one of 'text_input' or 'input_ids' is required"),
+        ({"text_input": text("")}, None, MODEL, "'text_input' is empty"),
+        ({"text_input": text(b"\xff\xfe")}, None, MODEL, "input 'text_input' is not valid UTF-8"),
+        ({"text_input": np.array([b"a", b"b"], np.object_)}, None, MODEL, "input 'text_input' must hold exactly one"),
+        ({"text_input": np.array([1.5], np.float32)}, None, MODEL, "input 'text_input' must be STRING (BYTES)"),
+        ({"input_ids": np.array([1.0], np.float32)}, None, MODEL, "input 'input_ids' must be INT32"),
+        ({"input_ids": np.array([], np.int32)}, None, MODEL, "the prompt has no tokens"),
+        ({"input_ids": np.array([VOCAB], np.int32)}, None, MODEL, "input 'input_ids': token id 100 is outside"),
+        ({"input_ids": np.array([1] * 65, np.int32)}, None, MODEL, "the prompt has 65 tokens, more than this model"),
+        (
+            {"input_ids": np.array([1] * 5, np.int32)},
+            None,
+            codec.ModelLimits(VOCAB, 64, Limits(max_prompt_tokens=4)),
+            "more than this model's limit of 4",
+        ),
+        (
+            {"text_input": text("x" * 50)},
+            None,
+            codec.ModelLimits(VOCAB, 64, Limits(max_request_bytes=10)),
+            "over this model's limit of 10",
+        ),
+        ({"text_input": text("a"), "stream": np.array([2], np.int32)}, None, MODEL, "input 'stream' must be BOOL"),
+        (
+            {"text_input": text("a"), "stream": boolean(True), "exclude_input_in_output": boolean(False)},
+            None,
+            MODEL,
+            "exclude_input_in_output=false is not allowed when streaming",
+        ),
+        (
+            {"text_input": text("a"), "sampling_parameters": text("{nope")},
+            None,
+            MODEL,
+            "input 'sampling_parameters' is not valid JSON",
+        ),
+        (
+            {"text_input": text("a"), "sampling_parameters": text("[1]")},
+            None,
+            MODEL,
+            "input 'sampling_parameters' must be a JSON object, got an array",
+        ),
+        ({"text_input": text("a")}, {"bogus": 1}, MODEL, "sampling_parameters.bogus is not a known vLLM sampling"),
+        (sampling({"guided_decoding": {}}), None, MODEL, "sampling_parameters.guided_decoding is not accepted"),
+        (sampling({"lora_name": "x"}), None, MODEL, "sampling_parameters.lora_name is not accepted"),
+        (sampling({"temperature": "hot"}), None, MODEL, "sampling_parameters.temperature: expected a number"),
+        (sampling({"temperature": "nan"}), None, MODEL, "sampling_parameters.temperature: must be a finite number"),
+        (sampling({"top_k": True}), None, MODEL, "sampling_parameters.top_k: expected an integer, got True"),
+        (sampling({"top_k": 1.5}), None, MODEL, "sampling_parameters.top_k: expected an integer, got 1.5"),
+        (sampling({"ignore_eos": "maybe"}), None, MODEL, "sampling_parameters.ignore_eos: expected true or false"),
+        (sampling({"stop": [1, 2]}), None, MODEL, "sampling_parameters.stop: expected a string or a list of strings"),
+        (sampling({"stop_token_ids": 5}), None, MODEL, "sampling_parameters.stop_token_ids: expected a list"),
+        (sampling({"stop_token_ids": [1, "x"]}), None, MODEL, "sampling_parameters.stop_token_ids[1]: expected an"),
+        (sampling({"stop_token_ids": [VOCAB]}), None, MODEL, "sampling_parameters.stop_token_ids: token id 100"),
+        (sampling({"logit_bias": [1]}), None, MODEL, "sampling_parameters.logit_bias: expected an object"),
+        (sampling({"logit_bias": {"-1": 1}}), None, MODEL, "sampling_parameters.logit_bias: token id -1"),
+        (sampling({"max_tokens": 0}), None, MODEL, "sampling_parameters.max_tokens must be >= 1, got 0"),
+        (
+            sampling({"max_tokens": 9}),
+            None,
+            codec.ModelLimits(VOCAB, 64, Limits(max_tokens=8)),
+            "sampling_parameters.max_tokens=9 exceeds this model's limit of 8",
+        ),
+        (sampling({"n": 17}), None, MODEL, "sampling_parameters.n must be between 1 and 16, got 17"),
+        (sampling({"best_of": 0}), None, MODEL, "sampling_parameters.best_of must be between 1 and 16"),
+        (sampling({"seed": -1}), None, MODEL, "sampling_parameters.seed must be between 0 and"),
+        (sampling({"logprobs": 21}), None, MODEL, "sampling_parameters.logprobs must be between 0 and 20"),
+        (sampling({"top_p": 1.5}), None, MODEL, "sampling_parameters: top_p must be in (0, 1]"),  # vLLM's check
+        (
+            sampling({"n": 2}, return_detokenization_window=boolean(True)),
+            None,
+            MODEL,
+            "return_detokenization_window supports one completion per request (n=1)",
+        ),
+    ],
+)
+def test_bad_input_is_refused_with_a_message_naming_it(
+    inputs: dict[str, np.ndarray], parameters: dict[str, Any] | None, model: codec.ModelLimits, message: str
+) -> None:
+    with pytest.raises(codec.RequestError) as caught:
+        request(inputs, parameters, model)
+    assert message in str(caught.value)
+
+
+def test_empty_sampling_json_means_no_fields() -> None:
+    assert codec.parse_sampling_fields(None, "x") == {}
+    assert codec.parse_sampling_fields("  ", "x") == {}
+    assert codec.parse_sampling_fields('{"n": 1}', "x") == {"n": 1}
+
+
+def _output(completions: list[CompletionOutput], finished: bool = False) -> RequestOutput:
+    return RequestOutput("r", "prompt", [1, 2, 3], None, completions, finished)
+
+
+def test_response_arrays_hold_one_element_per_completion() -> None:
+    generation = request(
+        sampling(
+            {"n": 2},
+            return_finish_reason=boolean(True),
+            return_cumulative_logprob=boolean(True),
+            return_logprobs=boolean(True),
+            return_num_input_tokens=boolean(True),
+            return_num_output_tokens=boolean(True),
+        )
+    )
+    completions = [
+        CompletionOutput(0, " world", [7, 8], -1.5, [{7: Logprob(-0.5, 1, "a")}, {8: Logprob(-1.0, 2, "b")}], "length"),
+        CompletionOutput(1, "!", [9], None, None, None),
+    ]
+    arrays = codec.encode_response(_output(completions, finished=True), generation, first=True)
+    assert arrays["text_output"].tolist() == [b"hello world", b"hello!"]  # prompt prepended on the first
+    assert arrays["output_ids"].dtype == np.int32 and arrays["output_ids"].tolist() == [7, 8, 9]
+    assert arrays["num_output_tokens"].tolist() == [2, 1] and arrays["num_output_tokens"].dtype == np.uint32
+    assert arrays["num_input_tokens"].tolist() == [len("hello")]
+    assert arrays["finish_reason"].tolist() == [b"length", b"None"]
+    assert arrays["cumulative_logprob"][0] == np.float32(-1.5) and math.isnan(arrays["cumulative_logprob"][1])
+    first_logprobs = json.loads(arrays["logprobs"][0])
+    assert first_logprobs[1] == {"8": {"logprob": -1.0, "rank": 2, "decoded_token": "b"}}
+    assert arrays["logprobs"][1] == b"null"
+    later = codec.encode_response(_output(completions), generation, first=False)
+    assert later["text_output"].tolist() == [b" world", b"!"]  # only the first response has the prompt
+
+
+def test_optional_outputs_are_sent_only_when_asked() -> None:
+    generation = request(sampling({}, stream=boolean(True)))
+    arrays = codec.encode_response(_output([CompletionOutput(0, "ab", [1, 2], None, None)]), generation, first=True)
+    assert set(arrays) == {"text_output", "output_ids"}
+    assert arrays["text_output"].tolist() == [b"ab"]

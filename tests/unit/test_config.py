@@ -1,0 +1,132 @@
+"""Model configuration: config.pbtxt parameters → BackendSettings (errors name the parameter),
+reading model.json, and resolving model paths.
+
+Which model.json fields vLLM accepts is the engine arguments' business and is tested where the
+engine is built (tests/engine); loading real models through a server is in the e2e tier.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.stub import config
+from triton_vllm_multistep.stub.config import ConfigError, Limits
+
+
+def settings(parameters: dict[str, str], engine_json: dict | None = None) -> config.BackendSettings:
+    model_config = {"parameters": {key: {"string_value": value} for key, value in parameters.items()}}
+    return config.backend_settings(model_config, engine_json or {"model": "m"})
+
+
+def test_defaults() -> None:
+    assert config.backend_settings({}, {"model": "m"}) == config.BackendSettings()
+    defaults = config.BackendSettings()
+    assert defaults.stream_mode == "step" and defaults.enable_metrics and defaults.unload_on_engine_failure
+    assert defaults.unload_drain_seconds is None and defaults.limits == Limits()
+
+
+def test_every_parameter_is_read() -> None:
+    read = settings(
+        {
+            "stream_mode": " Window ",
+            "cpu_kvcache_space_gib": "3",
+            "enable_metrics": "off",
+            "max_prompt_tokens": "100",
+            "max_tokens_limit": "50",
+            "max_n": "2",
+            "max_request_bytes": "4096",
+            "unload_on_engine_failure": "no",
+            "unload_drain_seconds": "2.5",
+            "tokenizer_dir": "ignored here",  # other models' parameters are not errors
+        }
+    )
+    assert read == config.BackendSettings(
+        stream_mode="window",
+        cpu_kvcache_space_gib=3,
+        enable_metrics=False,
+        limits=Limits(max_prompt_tokens=100, max_tokens=50, max_n=2, max_request_bytes=4096),
+        unload_on_engine_failure=False,
+        unload_drain_seconds=2.5,
+    )
+
+
+def test_vllms_name_for_the_stream_mode_is_an_alias() -> None:
+    assert settings({}, {"model": "m", "multi_step_stream_outputs": False}).stream_mode == "window"
+    assert settings({}, {"model": "m", "multi_step_stream_outputs": True}).stream_mode == "step"
+
+
+@pytest.mark.parametrize("text", ["1", "true", "YES", " on "])
+def test_true_spellings(text: str) -> None:
+    assert settings({"enable_metrics": text}).enable_metrics is True
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_drain_time_means_derived_from_the_exit_timeout(value: str) -> None:
+    assert settings({"unload_drain_seconds": value}).unload_drain_seconds is None
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ({"stream_mode": "token"}, "parameter 'stream_mode' must be 'step' or 'window', got 'token'"),
+        ({"enable_metrics": "sometimes"}, "parameter 'enable_metrics' must be true or false, got 'sometimes'"),
+        ({"unload_on_engine_failure": "2"}, "parameter 'unload_on_engine_failure' must be true or false"),
+        ({"max_n": "many"}, "parameter 'max_n' must be an integer, got 'many'"),
+        ({"max_n": "0"}, "parameter 'max_n' must be >= 1, got 0"),
+        ({"max_request_bytes": "0"}, "parameter 'max_request_bytes' must be >= 1"),
+        ({"max_prompt_tokens": "-1"}, "parameter 'max_prompt_tokens' must be >= 0, got -1"),
+        ({"max_tokens_limit": "1.5"}, "parameter 'max_tokens_limit' must be an integer"),
+        ({"cpu_kvcache_space_gib": "0"}, "parameter 'cpu_kvcache_space_gib' must be >= 1"),
+        ({"unload_drain_seconds": "soon"}, "parameter 'unload_drain_seconds' must be a number of seconds"),
+        ({"unload_drain_seconds": "-1"}, "parameter 'unload_drain_seconds' must be a finite number >= 0"),
+        ({"unload_drain_seconds": "inf"}, "parameter 'unload_drain_seconds' must be a finite number >= 0"),
+        ({"unload_drain_seconds": "nan"}, "parameter 'unload_drain_seconds' must be a finite number >= 0"),
+    ],
+)
+def test_a_bad_parameter_is_a_load_error_naming_it(parameters: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        settings(parameters)
+    assert message in str(caught.value)
+
+
+def test_parameter_values_of_a_model_config() -> None:
+    assert config.parameter_values({}) == {}
+    assert config.parameter_values({"parameters": {"a": {"string_value": "1"}, "b": {}}}) == {"a": "1", "b": ""}
+
+
+def test_model_json_in_the_version_folder_or_the_model_folder(tmp_path: Path) -> None:
+    (tmp_path / "model.json").write_text(json.dumps({"model": "outer"}))
+    assert config.load_engine_json(tmp_path, 1) == {"model": "outer"}
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "model.json").write_text(json.dumps({"model": "inner", "num_scheduler_steps": 4}))
+    assert config.load_engine_json(tmp_path, "1") == {"model": "inner", "num_scheduler_steps": 4}
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "1/model.json is missing: it holds the vLLM engine arguments"),
+        ("{model", "model.json is not valid JSON"),
+        ("[1]", "model.json must hold a JSON object of vLLM engine arguments"),
+        ('{"num_scheduler_steps": 8}', "model.json must name the model"),
+    ],
+)
+def test_a_bad_model_json_is_a_load_error_naming_the_file(tmp_path: Path, content: str | None, message: str) -> None:
+    if content is not None:
+        (tmp_path / "1").mkdir()
+        (tmp_path / "1" / "model.json").write_text(content)
+    with pytest.raises(ConfigError) as caught:
+        config.load_engine_json(tmp_path, 1)
+    assert message in str(caught.value) and str(tmp_path) in str(caught.value)
+
+
+def test_model_references_resolve(tmp_path: Path) -> None:
+    (tmp_path / "weights").mkdir()
+    assert config.resolve_path("weights", tmp_path) == str((tmp_path / "weights").resolve())
+    assert config.resolve_path("/abs/path", tmp_path) == "/abs/path"
+    assert config.resolve_path("org/some-model", tmp_path) == "org/some-model"  # a Hugging Face id
+    assert config.resolve_path("demo://tiny-llama-bpe", tmp_path) == str(demo_models.build("tiny-llama-bpe"))

@@ -1,0 +1,59 @@
+"""What `auto_complete_config` fills in of a model's config: the decoupled policy, no batching, and
+every input and output the interface documents (docs/interface.md), keeping what config.pbtxt says.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from triton_vllm_multistep.stub import codec, instance
+
+
+class AutoCompleteConfig:
+    """The part of pb_utils.ModelConfig that auto_complete_config uses."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.config
+
+    def add_input(self, spec: dict[str, Any]) -> None:
+        self.config.setdefault("input", []).append(spec)
+
+    def add_output(self, spec: dict[str, Any]) -> None:
+        self.config.setdefault("output", []).append(spec)
+
+    def set_max_batch_size(self, size: int) -> None:
+        self.config["max_batch_size"] = size
+
+    def set_model_transaction_policy(self, policy: dict[str, bool]) -> None:
+        self.config["model_transaction_policy"] = policy
+
+
+def test_auto_complete_adds_what_is_missing_and_keeps_what_is_there() -> None:
+    own_text_input = {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], "optional": False}
+    completed = instance.auto_complete(AutoCompleteConfig({"input": [own_text_input]})).as_dict()
+    inputs = {spec["name"]: spec for spec in completed["input"]}
+    outputs = {spec["name"]: spec for spec in completed["output"]}
+    assert inputs["text_input"] is own_text_input  # not replaced
+    assert [spec["name"] for spec in completed["input"]].count("text_input") == 1
+    assert set(inputs) == {"text_input", "input_ids", "stream", "sampling_parameters", "exclude_input_in_output"} | set(
+        codec.RETURN_FLAGS
+    )
+    assert all(spec["optional"] for name, spec in inputs.items() if name != "text_input")
+    assert inputs["input_ids"]["data_type"] == "TYPE_INT32" and inputs["stream"]["data_type"] == "TYPE_BOOL"
+    assert set(outputs) == {
+        "text_output",
+        "output_ids",
+        "finish_reason",
+        "cumulative_logprob",
+        "logprobs",
+        "num_input_tokens",
+        "num_output_tokens",
+        "window_ids",
+        "window_offsets",
+    }
+    assert outputs["window_offsets"]["dims"] == [3]
+    assert completed["max_batch_size"] == 0
+    assert completed["model_transaction_policy"] == {"decoupled": True}
