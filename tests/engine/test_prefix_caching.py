@@ -206,29 +206,61 @@ def test_workload_shares_whole_blocks_and_preempts(demo_path: str, runs: dict[tu
         assert "abort" not in run.finals
 
 
+def _assert_same_finals(reference: Run, run: Run, request_ids: set[str], what: str) -> None:
+    for request_id in sorted(request_ids):
+        want, got = reference.finals[request_id], run.finals[request_id]
+        where = f"{what} {request_id}"
+        for want_out, got_out in zip(want.outputs, got.outputs, strict=True):
+            assert (got_out.finish_reason, got_out.stop_reason) == (want_out.finish_reason, want_out.stop_reason), where
+            if request_id.startswith("preempt-"):
+                _assert_same_greedy_tokens_up_to_a_tie(want_out, got_out, where)
+            elif request_id != "late-delta":
+                assert list(got_out.token_ids) == list(want_out.token_ids), where
+                assert got_out.text == want_out.text, where
+                _assert_logprobs_close(want_out.logprobs, got_out.logprobs, where)
+
+
 @pytest.mark.parametrize("config", CONFIGS[1:])
 def test_same_outputs_and_streams_as_single_step_without_caching(
     runs: dict[tuple[int, bool], Run], config: tuple[int, bool]
 ) -> None:
+    """Shared-prefix requests arriving inside running windows, a full-prompt hit, an abort, n=2."""
     reference, run = runs[(1, False)], runs[config]
     assert set(run.finals) == set(reference.finals), config
-    for request_id, want in reference.finals.items():
-        got = run.finals[request_id]
-        what = f"{config} {request_id}"
-        for want_out, got_out in zip(want.outputs, got.outputs, strict=True):
-            assert (got_out.finish_reason, got_out.stop_reason) == (want_out.finish_reason, want_out.stop_reason), what
-            if request_id.startswith("preempt-"):
-                _assert_same_greedy_tokens_up_to_a_tie(want_out, got_out, what)
-                assert len(run.streams[request_id]) == len(got_out.token_ids), what
-            elif request_id != "late-delta":
-                assert list(got_out.token_ids) == list(want_out.token_ids), what
-                assert got_out.text == want_out.text, what
-                _assert_logprobs_close(want_out.logprobs, got_out.logprobs, what)
-    # Streamed outputs, one per token, hold the same tokens (aborted request included).
     mixed = {rid for rid in reference.streams if not rid.startswith("preempt-")}
+    _assert_same_finals(reference, run, mixed & set(reference.finals), str(config))
+    # Streamed outputs, one per token, hold the same tokens (aborted request included).
     assert {rid: run.streams[rid] for rid in mixed} == {rid: reference.streams[rid] for rid in mixed}, config
     assert (run.delta_tokens, run.delta_text) == (reference.delta_tokens, reference.delta_text), config
     assert len(run.streams["abort"]) == ABORT_AFTER_OUTPUTS
+
+
+_VLLM_PREEMPTION_DEFECT = pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "vLLM 0.8.5 V0 on CPU, stock single-step engine included: with prefix caching, a sequence recomputed "
+        "after preemption can continue with a different greedy token far from any tie (logprob gap ~5); "
+        "see docs/prefix-caching.md"
+    ),
+)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        (8, False),
+        pytest.param((1, True), marks=_VLLM_PREEMPTION_DEFECT),
+        pytest.param((8, True), marks=_VLLM_PREEMPTION_DEFECT),
+    ],
+)
+def test_preempted_requests_match_single_step_without_caching(
+    runs: dict[tuple[int, bool], Run], config: tuple[int, bool]
+) -> None:
+    reference, run = runs[(1, False)], runs[config]
+    preempted = {rid for rid in reference.finals if rid.startswith("preempt-")}
+    _assert_same_finals(reference, run, preempted, str(config))
+    for request_id in preempted:
+        assert len(run.streams[request_id]) == len(run.finals[request_id].outputs[0].token_ids), request_id
 
 
 @pytest.mark.parametrize("steps", [1, 8])
