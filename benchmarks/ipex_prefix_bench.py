@@ -31,13 +31,24 @@ _BLOCKED = "intel_extension_for_pytorch"
 
 
 def _block_ipex() -> None:
-    """Make `import intel_extension_for_pytorch` fail in this process, as on a host without it."""
+    """Make `import intel_extension_for_pytorch` fail in this process, as on a host without it.
+
+    The module is still found (transformers only asks whether it exists); loading it raises.
+    """
     import importlib.abc
+    import importlib.machinery
+
+    class _FailingLoader(importlib.abc.Loader):
+        def create_module(self, spec: Any) -> None:
+            raise ModuleNotFoundError(f"No module named '{spec.name}' (blocked by the benchmark)")
+
+        def exec_module(self, module: Any) -> None:  # never reached
+            raise ModuleNotFoundError(module.__name__)
 
     class _Blocker(importlib.abc.MetaPathFinder):
-        def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
             if name == _BLOCKED or name.startswith(_BLOCKED + "."):
-                raise ModuleNotFoundError(f"No module named '{name}' (blocked by the benchmark)")
+                return importlib.machinery.ModuleSpec(name, _FailingLoader())
             return None
 
     sys.meta_path.insert(0, _Blocker())
