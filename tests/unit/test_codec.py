@@ -80,11 +80,13 @@ def test_the_prompt_is_prepended_only_to_text_prompts_that_are_not_streamed() ->
     assert asked.prepend_prompt is True and asked.prompt_text == decode([3, 4])
 
 
-def test_request_parameters_are_sampling_fields_and_the_input_wins() -> None:
+def test_request_parameters_are_sampling_fields_unless_the_input_is_there() -> None:
     parameters = {"temperature": 0.3, "top_p": 0.5, "sequence_id": 9, "triton_enable_empty_final_response": True}
+    alone = request({"text_input": text("hi")}, parameters)
+    assert (alone.sampling_params.temperature, alone.sampling_params.top_p) == (0.3, 0.5)  # Triton's keys skipped
+    # As in Triton's vLLM backend: the sampling_parameters input wins outright, request parameters are ignored.
     generation = request(sampling({"temperature": 0.7}), parameters)
-    assert generation.sampling_params.temperature == 0.7  # sampling_parameters wins
-    assert generation.sampling_params.top_p == 0.5  # Triton's own keys are not sampling fields
+    assert (generation.sampling_params.temperature, generation.sampling_params.top_p) == (0.7, 1.0)
 
 
 def test_a_configured_max_tokens_limit_also_caps_the_default() -> None:
@@ -141,7 +143,7 @@ def test_return_flags_are_read_and_windows_keep_the_context() -> None:
             {"text_input": text("a"), "stream": boolean(True), "exclude_input_in_output": boolean(False)},
             None,
             MODEL,
-            "exclude_input_in_output=false is not allowed when streaming",
+            "When streaming, `exclude_input_in_output` = False is not allowed",
         ),
         (
             {"text_input": text("a"), "sampling_parameters": text("{nope")},
@@ -155,7 +157,7 @@ def test_return_flags_are_read_and_windows_keep_the_context() -> None:
             MODEL,
             "input 'sampling_parameters' must be a JSON object, got an array",
         ),
-        ({"text_input": text("a")}, {"bogus": 1}, MODEL, "sampling_parameters.bogus is not a known vLLM sampling"),
+        ({"text_input": text("a")}, {"bogus": 1}, MODEL, "parameters.bogus is not a known vLLM sampling"),
         (sampling({"guided_decoding": {}}), None, MODEL, "sampling_parameters.guided_decoding is not accepted"),
         (sampling({"lora_name": "x"}), None, MODEL, "sampling_parameters.lora_name is not accepted"),
         (sampling({"temperature": "hot"}), None, MODEL, "sampling_parameters.temperature: expected a number"),

@@ -31,7 +31,8 @@ def params(**values: str) -> dict[str, Any]:
 # --- model.json --------------------------------------------------------------------------------
 
 
-def test_their_sample_model_json_loads_and_disable_log_requests_is_ignored_with_a_log_line(caplog) -> None:
+def test_their_sample_model_json_loads_and_disable_log_requests_is_ignored_with_a_log_line(caplog, monkeypatch) -> None:
+    monkeypatch.setattr(logging.getLogger("triton_vllm_multistep"), "propagate", True)  # the stub's logger
     theirs = {"model": "m", "disable_log_requests": True, "gpu_memory_utilization": 0.5, "enforce_eager": True}
     with caplog.at_level(logging.INFO, logger="triton_vllm_multistep"):
         values = config.engine_fields(theirs, ENGINE_FIELDS)
@@ -65,7 +66,8 @@ def test_metrics_switches(parameters: dict, engine_json: dict, expected: bool) -
     assert config.backend_settings(params(**parameters), engine_json).enable_metrics is expected
 
 
-def test_disable_log_stats_winning_over_an_explicit_switch_is_logged(caplog) -> None:
+def test_disable_log_stats_winning_over_an_explicit_switch_is_logged(caplog, monkeypatch) -> None:
+    monkeypatch.setattr(logging.getLogger("triton_vllm_multistep"), "propagate", True)  # the stub's logger
     with caplog.at_level(logging.WARNING, logger="triton_vllm_multistep"):
         settings = config.backend_settings(params(REPORT_CUSTOM_METRICS="true"), {"disable_log_stats": True})
     assert not settings.enable_metrics
