@@ -87,8 +87,9 @@ def warm_up(
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     seeded = SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.9, seed=1, ignore_eos=True, logprobs=1)
     first = (f"{_REQUEST_PREFIX}-first", shared + _token_ids(vocab, 3, salt=2), greedy)
-    # Arrive once the first request decodes: the shared blocks are computed (a cache hit with prefix
-    # caching) and, with num_scheduler_steps > 1, a window is running.
+    # Arrive once the first request has a decoded token: its shared blocks are computed (a cache hit
+    # with prefix caching) and, with num_scheduler_steps > 1, its decode window is running.
+    arrive_after_tokens = min(2, max_tokens)
     later = [
         (f"{_REQUEST_PREFIX}-shared", shared + _token_ids(vocab, 2, salt=3), greedy),
         (f"{_REQUEST_PREFIX}-seeded", _token_ids(vocab, 5, salt=4), seeded),
@@ -103,7 +104,9 @@ def warm_up(
                 raise TimeoutError(f"the warm-up generation did not finish within {time_budget_s:.0f} s")
             outputs = engine.step()
             num_steps += 1
-            if later and any(o.request_id == first[0] and o.outputs[0].token_ids for o in outputs):
+            if later and any(
+                o.request_id == first[0] and len(o.outputs[0].token_ids) >= arrive_after_tokens for o in outputs
+            ):
                 for request_id, prompt, params in later:
                     engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
                 later = []
@@ -112,7 +115,7 @@ def warm_up(
                     finished.add(output.request_id)
                     generated += len(output.outputs[0].token_ids)
             if later and not engine.has_unfinished_requests():
-                raise RuntimeError("the warm-up's first request finished without producing a token")
+                raise RuntimeError("the warm-up's first request finished before its decode started")
         missing = set(request_ids) - finished
         if missing:
             raise RuntimeError(f"warm-up requests ended without a final output: {sorted(missing)}")
