@@ -1,6 +1,7 @@
 """Stream a completion from the LLM model over gRPC (tritonclient.grpc), printing tokens as they arrive.
 
 python client_examples/grpc_stream.py "The model streams" --max-tokens 32
+python client_examples/grpc_stream.py "What is the capital of France?" --model ensemble --chat
 """
 
 from __future__ import annotations
@@ -15,9 +16,14 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 
-def build_inputs(prompt: str, sampling: dict, stream: bool = True) -> list[grpcclient.InferInput]:
-    text = grpcclient.InferInput("text_input", [1], "BYTES")
-    text.set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
+def build_inputs(prompt: str, sampling: dict, stream: bool = True, chat: bool = False) -> list[grpcclient.InferInput]:
+    if chat:  # one user message; the ensemble's preprocessing applies the model's chat template
+        text = grpcclient.InferInput("messages", [1], "BYTES")
+        message = json.dumps([{"role": "user", "content": prompt}])
+        text.set_data_from_numpy(np.array([message.encode()], dtype=np.object_))
+    else:
+        text = grpcclient.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
     stream_flag = grpcclient.InferInput("stream", [1], "BOOL")
     stream_flag.set_data_from_numpy(np.array([stream]))
     params = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
@@ -32,13 +38,15 @@ def main() -> int:
     parser.add_argument("--model", default="vllm_model")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--chat", action="store_true", help="send the prompt as a chat message (ensemble only)")
     args = parser.parse_args()
 
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(args.url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    client.async_stream_infer(args.model, build_inputs(args.prompt, sampling), enable_empty_final_response=True)
+    inputs = build_inputs(args.prompt, sampling, chat=args.chat)
+    client.async_stream_infer(args.model, inputs, enable_empty_final_response=True)
     status = 0
     while True:
         result, error = responses.get()

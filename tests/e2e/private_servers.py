@@ -7,10 +7,12 @@ and finding the server's Python-backend stub processes; knows nothing about what
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import psutil
 import requests
+from served_models import REAL_MODEL, TINY_ENGINE, TINY_MODEL
 
 from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model
 from triton_vllm_multistep.testing.polling import wait_for
@@ -18,6 +20,7 @@ from triton_vllm_multistep.testing.polling import wait_for
 __all__ = [
     "REPO_ROOT",
     "SHIPPED_MODEL",
+    "copy_pipeline_stages",
     "make_repository",
     "metric",
     "model_ready",
@@ -30,15 +33,23 @@ SHIPPED_MODEL = REPO_ROOT / "model_repository" / "vllm_model"
 
 
 def make_repository(root: Path, models: dict[str, dict]) -> Path:
-    """A repository of copies of the shipped LLM model.
+    """A repository of copies of the shipped LLM model, on the tiny demo model unless told otherwise.
 
     `models`: name → {"engine": model.json overrides, "parameters": config.pbtxt parameters}.
     """
     repository = root / "repository"
     repository.mkdir(parents=True)
     for name, spec in models.items():
-        copy_model(SHIPPED_MODEL, repository / name, spec.get("engine"), spec.get("parameters"))
+        copy_model(SHIPPED_MODEL, repository / name, {**TINY_ENGINE, **spec.get("engine", {})}, spec.get("parameters"))
     return repository
+
+
+def copy_pipeline_stages(repository: Path, tokenizer: str = TINY_MODEL) -> None:
+    """The shipped ensemble and its tokenizer stages, the stages on `tokenizer`'s tokenizer."""
+    for stage in ("preprocessing", "postprocessing", "ensemble"):
+        shutil.copytree(SHIPPED_MODEL.parent / stage, repository / stage)
+        config = repository / stage / "config.pbtxt"
+        config.write_text(config.read_text().replace(REAL_MODEL, tokenizer))
 
 
 def scrape(server: ServerProcess) -> str:

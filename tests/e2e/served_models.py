@@ -7,6 +7,11 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_REPOSITORY = REPO_ROOT / "model_repository"
 LLM_MODEL = "vllm_model"
+REAL_MODEL = "demo://smollm2-135m-instruct"
+# The shipped repository serves the real model; the tests' exactness checks run on the tiny demo
+# model (fast, and far from greedy ties), so the test repository's pipeline uses it instead.
+TINY_MODEL = "demo://tiny-llama-bpe"
+TINY_ENGINE = {"model": TINY_MODEL, "max_model_len": 1024}
 # Test variants of the shipped LLM model: name → model.json overrides.
 LLM_VARIANTS = {
     "vllm_model_spm": {"model": "demo://tiny-llama-spm"},

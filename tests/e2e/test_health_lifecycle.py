@@ -8,7 +8,6 @@ FINAL or a clean stream error, nothing hangs, and no stub or vLLM worker process
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -19,7 +18,15 @@ from pathlib import Path
 import psutil
 import pytest
 import tritonclient.grpc as grpcclient
-from private_servers import SHIPPED_MODEL, make_repository, metric, model_ready, scrape, stub_processes, wait_for
+from private_servers import (
+    copy_pipeline_stages,
+    make_repository,
+    metric,
+    model_ready,
+    scrape,
+    stub_processes,
+    wait_for,
+)
 from triton_clients import StreamResult, grpc_generate
 
 from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV
@@ -200,8 +207,7 @@ def _shutdown_repository(tmp_path: Path, ensemble: bool = False) -> Path:
     """The LLM model allowing 2000-token streams, with the shipped ensemble around it if asked."""
     repository = make_repository(tmp_path, {MODEL: {"engine": {"max_model_len": 2048}}})
     if ensemble:
-        for stage in ("preprocessing", "postprocessing", "ensemble"):
-            shutil.copytree(SHIPPED_MODEL.parent / stage, repository / stage)
+        copy_pipeline_stages(repository)
     return repository
 
 

@@ -117,7 +117,8 @@ def test_wheel_in_a_fresh_venv_serves_the_llm(tmp_path: Path) -> None:
         demo_models.build(name)
     repository = tmp_path / "repository"
     repository.mkdir()
-    copy_model(SHIPPED_MODEL, repository / "vllm_model", engine={"max_model_len": 256})
+    tiny = {"model": "demo://tiny-llama-bpe", "max_model_len": 256}
+    copy_model(SHIPPED_MODEL, repository / "vllm_model", engine=tiny)
     http_port, grpc_port, metrics_port = free_ports(3)
     env.update(TRITON_VLLM_MULTISTEP_CACHE=str(cache), VLLM_CPU_KVCACHE_SPACE="1")
     log_path = tmp_path / "server.log"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import types
 
 os.environ["VLLM_USE_V1"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -17,6 +18,7 @@ import torch
 from vllm import EngineArgs, SamplingParams
 
 from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.engine.events import EngineDied
 from triton_vllm_multistep.engine.factory import EngineBuildError, build_engine
 from triton_vllm_multistep.engine.loop import EngineLoop, RequestFailed, StepOutputs
 
@@ -76,3 +78,120 @@ def test_a_build_error_reaches_the_caller_and_ends_the_thread() -> None:
     with pytest.raises(RuntimeError, match="not built"):
         _ = loop.engine
     loop.stop()  # harmless after a failed build
+
+
+class _RecordingEngine:
+    """Just enough of an engine for the loop's idle and stop paths; records calls in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self._unfinished: list[str] = []
+        self.model_executor = types.SimpleNamespace(
+            stop_remote_worker_execution_loop=lambda: self.calls.append("stop_remote_worker_execution_loop"),
+            shutdown=lambda: self.calls.append("shutdown"),
+        )
+
+    def add_request(self, request_id: str, *_: object) -> None:
+        self.calls.append(f"add_request {request_id}")
+        self._unfinished.append(request_id)
+
+    def abort_request(self, request_id: str) -> None:
+        self.calls.append(f"abort_request {request_id}")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._unfinished)
+
+    def step(self) -> list[object]:
+        self.calls.append("step")
+        finished, self._unfinished = self._unfinished, []
+        return [types.SimpleNamespace(request_id=r, finished=True) for r in finished]
+
+    def close_window(self) -> list[object]:
+        self.calls.append("close_window")
+        return []
+
+
+def test_an_idle_engine_closes_its_window_then_releases_remote_workers_once_per_idle_period() -> None:
+    engine = _RecordingEngine()
+    loop = EngineLoop(lambda: engine)
+    loop.start_engine()
+    loop.serve(lambda _event: None)
+    try:
+        assert loop.settled.wait(30)  # idle from the start: settled once
+        for request_id in ("r1", "r2"):
+            loop.settled.clear()
+            del engine.calls[:]
+            loop.submit(request_id, [1, 2], SamplingParams(max_tokens=1))
+            assert loop.settled.wait(30)
+            assert engine.calls == [
+                f"add_request {request_id}",
+                "step",
+                "close_window",
+                "stop_remote_worker_execution_loop",
+            ]
+        del engine.calls[:]
+    finally:
+        loop.stop()
+    # Stopping (unload) releases the workers again, so the executor's shutdown can reach them.
+    assert engine.calls == ["stop_remote_worker_execution_loop"]
+
+
+def test_model_unload_releases_remote_workers_before_the_executor_shuts_down() -> None:
+    from triton_vllm_multistep.stub.instance import ModelServer
+
+    engine = _RecordingEngine()
+    loop = EngineLoop(lambda: engine)
+    loop.start_engine()
+    loop.serve(lambda _event: None)
+    assert loop.settled.wait(30)
+    del engine.calls[:]
+    server = ModelServer.__new__(ModelServer)
+    server.model_name = "m"
+    server.loop, server.engine, server.metrics = loop, engine, None
+    server.drain = types.SimpleNamespace(stop=lambda: engine.calls.append("drain.stop"))
+    server.responder = types.SimpleNamespace(stop=lambda _message: engine.calls.append("responder.stop"))
+    server.close()
+    assert engine.calls == ["drain.stop", "stop_remote_worker_execution_loop", "responder.stop", "shutdown"]
+
+
+def test_a_request_vllm_cannot_prepare_fails_alone_and_the_engine_keeps_serving() -> None:
+    """vLLM's GPU model runner raises InputProcessingError for one request; injected here into the
+    real CPU engine's executor, so vLLM's own LLMEngine.step handles it (abort, keep the rest of
+    the schedule) and re-raises it to the loop, as it would on a GPU."""
+    from vllm.worker.model_runner_base import InputProcessingError
+
+    events: list[object] = []
+    loop = EngineLoop(lambda: build_engine(_args(steps=4), stream_mode="step"))
+    engine = loop.start_engine()
+    execute_model = engine.model_executor.execute_model
+
+    def execute_or_refuse(execute_model_req):
+        ids = [m.request_id for m in execute_model_req.seq_group_metadata_list]
+        if "bad" in ids:
+            raise InputProcessingError("bad", "injected: this request's input cannot be prepared")
+        return execute_model(execute_model_req)
+
+    engine.model_executor.execute_model = execute_or_refuse
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    try:
+        for request_id in ("r1", "bad", "r2"):  # admitted together: one schedule holds all three
+            loop.submit(request_id, [1, 5, 9, 12], params)
+        loop.serve(events.append)
+        deadline = time.monotonic() + 120
+        finished = set()
+        while finished != {"r1", "r2"} and time.monotonic() < deadline:
+            finished = {
+                o.request_id for e in list(events) if isinstance(e, StepOutputs) for o in e.outputs if o.finished
+            }
+            time.sleep(0.05)
+        assert finished == {"r1", "r2"}
+        failed = [e for e in events if isinstance(e, RequestFailed)]
+        assert [(e.request_id, "cannot be prepared" in e.message) for e in failed] == [("bad", True)]
+        assert not any(isinstance(e, EngineDied) for e in events) and loop.healthy
+        outputs = [o for e in events if isinstance(e, StepOutputs) for o in e.outputs]
+        for request_id in ("r1", "r2"):
+            assert [len(o.outputs[0].token_ids) for o in outputs if o.request_id == request_id] == [1, 2, 3, 4, 5, 6]
+        assert not any(o.request_id == "bad" for o in outputs)
+    finally:
+        loop.stop()
+        engine.model_executor.shutdown()

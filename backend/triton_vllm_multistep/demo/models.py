@@ -1,6 +1,7 @@
-"""Deterministic local demo models: a tiny random-weight Llama plus a locally trained tokenizer.
+"""Deterministic local demo models: tiny random-weight Llamas with locally trained tokenizers.
 
-Owns building and locating the demo model folders (same seed, same bytes); must not download.
+Owns building and locating the demo model folders (same seed, same bytes) and naming them
+`demo://NAME`, the real one (SmolLM2-135M-Instruct, demo/smollm2.py) included; must not download.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def _train_metaspace(spec: DemoSpec) -> dict:
 
 def _write_tokenizer(spec: DemoSpec, folder: Path) -> int:
     data = _train_bytelevel(spec) if spec.tokenizer_style == "bytelevel" else _train_metaspace(spec)
-    (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False, indent=1))
+    (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")
     llama_style = spec.tokenizer_style == "metaspace"
     config = {
         "tokenizer_class": "LlamaTokenizerFast" if llama_style else "PreTrainedTokenizerFast",
@@ -222,11 +223,22 @@ def _write_model(spec: DemoSpec, folder: Path, vocab_size: int) -> None:
     (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}, indent=1))
 
 
+def all_names() -> list[str]:
+    """Every demo model: the tiny random-weight ones and the real one (demo/smollm2.py)."""
+    from triton_vllm_multistep.demo import smollm2
+
+    return [*sorted(DEMO_MODELS), smollm2.NAME]
+
+
 def build(name: str, root: Path | None = None, force: bool = False) -> Path:
     """Build demo model `name` under `root` (default: the cache) unless present; return its folder."""
+    from triton_vllm_multistep.demo import smollm2
+
+    if name == smollm2.NAME:
+        return smollm2.build(root or cache_root(), force=force)
     spec = DEMO_MODELS.get(name)
     if spec is None:
-        raise ValueError(f"unknown demo model {name!r}; known: {', '.join(sorted(DEMO_MODELS))}")
+        raise ValueError(f"unknown demo model {name!r}; known: {', '.join(all_names())}")
     target = (root or cache_root()) / name
     if (target / "model.safetensors").exists() and not force:
         return target

@@ -488,6 +488,11 @@ class CPUMultiStepEngine(LLMEngine):
             self.model_executor.stop_remote_worker_execution_loop()
         return outputs
 
+    def close_window(self) -> list[Any]:
+        """Called by the engine loop with no unfinished requests: end a window its requests left."""
+        self._close_finished_window()
+        return []
+
     def _has_remaining_steps(self, seq_group_metadata_list: list[Any] | None) -> bool:
         # vLLM compares every group's remaining steps each call, twice per step, as a sanity
         # check; here all groups of a window start together and are advanced together.

@@ -23,13 +23,15 @@ class StepOutputs:
 
     With step timing on (metrics), steps that return nothing are handed over too (empty
     `outputs`), and `forward_seconds` / `forward_end` (perf_counter) describe the model's
-    forward passes in the step; `new_window` says the step started a scheduling round.
+    forward passes in the step (None where they are not measured: GPU hosts, see
+    engine.loop.module_hooks_time_the_forward_pass); `new_window` says the step started a
+    scheduling round.
     """
 
     outputs: list[Any]  # vLLM RequestOutputs
     step_seconds: float
     finished_at: float = field(default_factory=time.monotonic)
-    forward_seconds: float = 0.0
+    forward_seconds: float | None = 0.0
     forward_end: float | None = None
     new_window: bool = False
     # Finished best_of requests: request id → (tokens, sequences) of candidates not returned.

@@ -35,6 +35,23 @@ _CPU_PARALLEL_REASON = (
 )
 
 
+# Why pipeline parallel is refused everywhere: vLLM 0.8.5's LLMEngine.step() raises
+# NotImplementedError on every call when pipeline_parallel_size > 1 (engine/llm_engine.py), and
+# this backend drives LLMEngine (AsyncLLMEngine is the only V0 engine that runs it).
+_PIPELINE_PARALLEL_REASON = (
+    "pipeline_parallel_size={size}: vLLM 0.8.5's LLMEngine, which this backend drives, supports pipeline "
+    "parallelism only through AsyncLLMEngine (its step() raises NotImplementedError on every call, so the "
+    "first request would fail): set pipeline_parallel_size to 1 and split the model across GPUs with "
+    "tensor_parallel_size instead"
+)
+
+
+def refuse_pipeline_parallel(engine_args: EngineArgs) -> None:
+    """Raise EngineBuildError when the engine would build but fail its first step (any platform)."""
+    if engine_args.pipeline_parallel_size > 1:
+        raise EngineBuildError(_PIPELINE_PARALLEL_REASON.format(size=engine_args.pipeline_parallel_size))
+
+
 def unsupported_engine_features(engine_args: EngineArgs) -> list[str]:
     """Engine settings that cannot be combined with num_scheduler_steps > 1, on any platform."""
     problems = []
@@ -122,6 +139,7 @@ def build_engine(engine_args: EngineArgs, *, stream_mode: StreamMode = "step") -
     if stream_mode not in STREAM_MODES:
         raise EngineBuildError(f"stream_mode must be one of {', '.join(STREAM_MODES)}, got {stream_mode!r}")
     args = dataclasses.replace(engine_args, multi_step_stream_outputs=stream_mode == "step")
+    refuse_pipeline_parallel(args)
     if current_platform.is_cpu():
         from triton_vllm_multistep.engine.cpu_attention import check_cpu_attention
 
@@ -137,10 +155,39 @@ def build_engine(engine_args: EngineArgs, *, stream_mode: StreamMode = "step") -
         # vLLM may turn chunked prefill on by itself (long-context V0 models); multi-step
         # windows must hold decodes only, so say no unless the user asked (refused above).
         args.enable_chunked_prefill = False
-    if steps == 1 or not current_platform.is_cpu():
-        # GPU hosts: vLLM's own MultiStepWorker, chosen by vLLM from num_scheduler_steps.
+    if steps == 1:
         return LLMEngine.from_engine_args(args)
+    if not current_platform.is_cpu():
+        # GPU hosts: vLLM's own MultiStepWorker, chosen by vLLM from num_scheduler_steps.
+        return _build_gpu_multistep_engine(args)
     return _build_cpu_multistep_engine(args, stream_mode)
+
+
+def gpu_multistep_config(engine_args: EngineArgs) -> VllmConfig:
+    """vLLM's engine config for multi-step on a GPU host, refused here if vLLM would refuse it later.
+
+    vLLM checks its multi-step runner's attention backend only in `MultiStepWorker.__init__`, once
+    the executor builds workers (a ValueError from deep inside vLLM, after workers were started);
+    the same check runs here on the config, with an error naming the setting and the fix.
+    """
+    from triton_vllm_multistep.engine.gpu_multistep import multi_step_attention_problem
+
+    config = dataclasses.replace(engine_args).create_engine_config()
+    try:
+        problem = multi_step_attention_problem(config)
+    except Exception as error:  # vLLM's own check still runs when the workers are built
+        logger.warning("could not check the attention backend ahead of vLLM (%r); vLLM checks it itself", error)
+        problem = None
+    if problem is not None:
+        raise EngineBuildError(problem)
+    return config
+
+
+def _build_gpu_multistep_engine(engine_args: EngineArgs) -> LLMEngine:
+    from triton_vllm_multistep.engine.gpu_multistep import WindowClosingEngine
+
+    config = gpu_multistep_config(engine_args)
+    return WindowClosingEngine.from_vllm_config(vllm_config=config, disable_log_stats=engine_args.disable_log_stats)
 
 
 def cpu_multistep_config(engine_args: EngineArgs, stream_mode: StreamMode) -> VllmConfig:

@@ -19,6 +19,7 @@ from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import TokensPrompt
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
+from vllm.worker.model_runner_base import InputProcessingError
 
 from triton_vllm_multistep.engine.events import EngineDied, EngineEvent, KvCacheStats, RequestFailed, StepOutputs
 from triton_vllm_multistep.engine.prefix_cache import prefix_cache_hit_rate
@@ -37,8 +38,37 @@ def driver_model(engine: LLMEngine):
     return model if hasattr(model, "register_forward_hook") else None
 
 
+def module_hooks_time_the_forward_pass(engine: LLMEngine) -> bool:
+    """Whether torch module hooks around the driver model measure its forward pass: on CPU only.
+
+    On CPU the module call is the computation. On CUDA it is not: a captured CUDA graph is
+    replayed without calling the module (vLLM's CUDAGraphRunner), and an eager call returns once
+    its kernels are queued, so hooks would time kernel launches. vLLM's own GPU forward timing
+    (collect_detailed_traces) synchronises every step, which defeats multi-step's overlap.
+    """
+    device = getattr(getattr(engine, "device_config", None), "device", None)
+    return getattr(device, "type", None) == "cpu"
+
+
+def settle_idle_engine(engine: LLMEngine) -> list[RequestOutput]:
+    """Bring an engine with no unfinished requests to rest; returns outputs that produced (usually none).
+
+    Ends a scheduling window left open (vLLM would otherwise run its remaining steps in front of
+    the next request), then stops
+    the remote workers' execution loop (tensor parallel: they busy-wait for the next step
+    otherwise); the latter is a no-op with no remote workers or no loop running.
+    """
+    close_window = getattr(engine, "close_window", None)
+    outputs = list(close_window()) if close_window is not None else []
+    engine.model_executor.stop_remote_worker_execution_loop()
+    return outputs
+
+
 class ForwardClock:
-    """Times the driver model's forward passes with torch module hooks (no method patching)."""
+    """Times the driver model's forward passes with torch module hooks (no method patching).
+
+    Right on CPU only (see `module_hooks_time_the_forward_pass`); not installed on GPU hosts.
+    """
 
     def __init__(self, model) -> None:
         self.seconds = 0.0
@@ -103,6 +133,9 @@ class EngineLoop:
         self._in_engine: set[str] = set()
         # best_of requests: request id → all candidate sequences (vLLM returns only the best n).
         self._candidates: dict[str, list] = {}
+        # Set once the engine thread has settled an idle engine (window closed, workers released).
+        self.settled = threading.Event()
+        self._settled = False
         self.error: str | None = None
         self.torch_threads: int | None = None  # what the engine thread runs with, once built
         self._thread = threading.Thread(target=self._main, name="vllm-engine-loop", daemon=True)
@@ -140,7 +173,8 @@ class EngineLoop:
         self._on_state = on_state
         self._on_death = on_death
         self._state_interval = state_interval
-        model = driver_model(engine) if time_steps else None
+        # Forward-pass timing (metrics' lag and host-overhead series) only where hooks measure it.
+        model = driver_model(engine) if time_steps and module_hooks_time_the_forward_pass(engine) else None
         self._clock = ForwardClock(model) if model is not None else None
         self._time_steps = time_steps
         install_fault_injection(driver_model(engine))
@@ -251,25 +285,26 @@ class EngineLoop:
             while not self._stopping:
                 self._admit_and_abort()
                 if not engine.has_unfinished_requests():
+                    if not self._settled:
+                        self._settle(engine)
                     self._report_state(force=True)
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
+                if self._settled:
+                    self._settled = False
+                    self.settled.clear()
                 started = time.perf_counter()
-                outputs = engine.step()
-                unreturned: dict[str, tuple[int, int]] = {}
-                if outputs:
-                    for output in outputs:
-                        if output.finished:
-                            self._in_engine.discard(output.request_id)
-                            if self._candidates and (hidden := self._unreturned(output)) is not None:
-                                unreturned[output.request_id] = hidden
-                if self._time_steps:
-                    self._sink(self._timed_step(outputs, time.perf_counter() - started, unreturned))
-                elif outputs:
-                    # V0 reuses and clears the returned list on the next step: hand over a copy.
-                    self._sink(StepOutputs(list(outputs), time.perf_counter() - started, unreturned=unreturned))
+                try:
+                    outputs = engine.step()
+                except InputProcessingError as error:
+                    self._fail_unprocessable(error)
+                    continue
+                self._hand_over(outputs, time.perf_counter() - started)
                 self._report_state()
+            # Stopping (unload): release remote workers from their execution loop, or the
+            # executor's shutdown cannot reach them.
+            engine.model_executor.stop_remote_worker_execution_loop()
         except BaseException as error:
             self.error = f"vLLM engine failed: {type(error).__name__}: {error}"
             logger.error("%s\n%s", self.error, traceback.format_exc())
@@ -284,10 +319,44 @@ class EngineLoop:
                     logger.exception("engine death callback failed")
             self._sink(EngineDied(self.error, lost))
 
+    def _hand_over(self, outputs: list[RequestOutput], seconds: float) -> None:
+        unreturned: dict[str, tuple[int, int]] = {}
+        if outputs:
+            for output in outputs:
+                if output.finished:
+                    self._in_engine.discard(output.request_id)
+                    if self._candidates and (hidden := self._unreturned(output)) is not None:
+                        unreturned[output.request_id] = hidden
+        if self._time_steps:
+            self._sink(self._timed_step(outputs, seconds, unreturned))
+        elif outputs:
+            # V0 reuses and clears the returned list on the next step: hand over a copy.
+            self._sink(StepOutputs(list(outputs), seconds, unreturned=unreturned))
+
+    def _settle(self, engine: LLMEngine) -> None:
+        """Once per idle period: close the window the finished requests left, release the workers."""
+        started = time.perf_counter()
+        outputs = settle_idle_engine(engine)
+        if outputs:
+            self._hand_over(outputs, time.perf_counter() - started)
+        self._settled = True
+        self.settled.set()
+
+    def _fail_unprocessable(self, error: InputProcessingError) -> None:
+        """vLLM could not prepare one request's input: fail that request alone and keep stepping.
+
+        vLLM's LLMEngine.step has already aborted it and kept the rest of the schedule for the next
+        step (`_abort_and_cache_schedule`) before re-raising, as MQLLMEngine expects too.
+        """
+        logger.warning("engine could not process request %s: %s", error.request_id, error.message)
+        self._in_engine.discard(error.request_id)
+        self._candidates.pop(error.request_id, None)
+        self._sink(RequestFailed(error.request_id, f"the engine could not process this request: {error.message}"))
+
     def _timed_step(
         self, outputs: list[RequestOutput], seconds: float, unreturned: dict[str, tuple[int, int]]
     ) -> StepOutputs:
-        forward_seconds, forward_end = self._clock.take() if self._clock is not None else (0.0, None)
+        forward_seconds, forward_end = self._clock.take() if self._clock is not None else (None, None)
         # The engine's scheduler context holds the latest round's SchedulerOutputs: a new
         # object that is not empty means this step started a scheduling window.
         scheduled = self.engine.scheduler_contexts[0].scheduler_outputs

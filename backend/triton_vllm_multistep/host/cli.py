@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.demo import smollm2
 from triton_vllm_multistep.host import launcher, probe
 from triton_vllm_multistep.lifecycle import server_drain, triton_command
 from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV
@@ -20,6 +22,12 @@ from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV
 def _serve(args: argparse.Namespace, rest: list[str]) -> int:
     for name in demo_models.DEMO_MODELS:
         demo_models.build(name)  # the shipped repository refers to demo://; build before Triton
+    if smollm2.cache_problem(demo_models.cache_root() / smollm2.NAME) is not None:
+        # The real model, converted once per machine (~30 s) before Triton rather than in a stub,
+        # in a child process: the launcher lives as long as the server and should not hold torch.
+        build = [sys.executable, "-m", "triton_vllm_multistep", "build-demo-models", smollm2.NAME]
+        if subprocess.run(build, check=False).returncode != 0:
+            print(f"warning: models that use demo://{smollm2.NAME} will not load", file=sys.stderr)
     try:
         return launcher.serve(rest)
     except launcher.LaunchError as error:
@@ -77,8 +85,12 @@ def _install_backend(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _build(args: argparse.Namespace, rest: list[str]) -> int:
-    for name in args.names or sorted(demo_models.DEMO_MODELS):
-        path = demo_models.build(name, args.output, force=args.force)
+    for name in args.names or demo_models.all_names():
+        try:
+            path = demo_models.build(name, args.output, force=args.force)
+        except smollm2.DemoModelError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
         print(f"{name}: {path}")
     return 0
 

@@ -16,11 +16,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from triton_vllm_multistep.demo.smollm2 import DemoModelError
 from triton_vllm_multistep.lifecycle import drain, protocol, triton_command
 from triton_vllm_multistep.stub import codec, config, triton_io
 from triton_vllm_multistep.stub.detokenization import window_decoder
 from triton_vllm_multistep.stub.device import gpu_count, instance_device_environment
 
+# Load errors caused by settings or set-up, not by a bug: their message is all a user needs.
+SETTINGS_ERRORS = (config.ConfigError, DemoModelError)
 logger = logging.getLogger("triton_vllm_multistep")
 if not logger.handlers:  # the stub's stderr is Triton's log; say who is speaking
     _handler = logging.StreamHandler()
@@ -79,7 +82,7 @@ class ModelServer:
     """Everything one Triton model instance runs."""
 
     def __init__(self, pb_utils: Any, args: dict[str, str]) -> None:
-        from triton_vllm_multistep.engine.factory import build_engine, serving_torch_threads
+        from triton_vllm_multistep.engine.factory import EngineBuildError, build_engine, serving_torch_threads
         from triton_vllm_multistep.engine.loop import EngineLoop
         from triton_vllm_multistep.engine.warmup import warmed_up
         from triton_vllm_multistep.stub.responder import Responder
@@ -115,7 +118,11 @@ class ModelServer:
             lambda: warmed_up(build_engine(engine_args, stream_mode=self.settings.stream_mode), engine_args),
             torch_threads,
         )
-        self.engine = self.loop.start_engine()  # a failed build has ended the engine thread
+        try:
+            self.engine = self.loop.start_engine()  # a failed build has ended the engine thread
+        except EngineBuildError as error:
+            # Settings this backend refuses: a load error naming them, not a trace into the engine.
+            raise config.ConfigError(f"model {self.model_name}: {error}") from None
         try:
             model = self.engine.model_config
             if str(model.dtype) == "torch.float16" and self.engine.device_config.device_type == "cpu":
@@ -311,6 +318,8 @@ class ModelServer:
 
     def close(self) -> None:
         self.drain.stop()
+        # The engine thread ends by releasing remote (tensor-parallel) workers from their execution
+        # loop: a worker still in it never reads the executor's shutdown request.
         self.loop.stop()
         self.responder.stop(protocol.UNLOADING_MESSAGE)
         if self.metrics is not None:

@@ -293,9 +293,11 @@ class BackendMetrics:
         """One engine step's outputs were all handed to Triton at `sent_at` (perf_counter)."""
         if event.new_window:
             self._windows_pending += 1
+        # Forward-pass times are measured on CPU hosts only (None on GPU): both series stay empty there.
         if event.forward_end is not None and event.outputs:
             self._lag.observe(max(0.0, sent_at - event.forward_end))
-        self._overhead.observe(max(0.0, event.step_seconds - event.forward_seconds))
+        if event.forward_seconds is not None:
+            self._overhead.observe(max(0.0, event.step_seconds - event.forward_seconds))
 
     def on_engine_died(self) -> None:
         """The engine has failed and its requests are being failed: say so at once (engine thread)."""

@@ -15,7 +15,14 @@ class TritonPythonModel:
         return instance.auto_complete(auto_complete_model_config)
 
     def initialize(self, args):
-        self._server = instance.ModelServer(pb_utils, args)
+        try:
+            self._server = instance.ModelServer(pb_utils, args)
+        except ValueError as error:
+            if not isinstance(error, instance.SETTINGS_ERRORS):
+                raise
+            # A settings problem, not a bug: its message says what to do. Raised afresh here so
+            # that Triton's load error lists this frame only, not the frames that found it.
+            raise type(error)(str(error)) from None
 
     def execute(self, requests):
         self._server.execute(requests)

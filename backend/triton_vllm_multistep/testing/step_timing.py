@@ -49,8 +49,12 @@ def attach(engine: Any) -> StepTimer:
     """Time the phases of `engine`'s steps by wrapping methods of its own instances.
 
     Works for vLLM's CPU engine and for the CPU multi-step engine alike. With steps=1, vLLM's
-    sampler pythonizes while sampling, so that time is counted under "sample".
+    sampler pythonizes while sampling, so that time is counted under "sample". CPU only: on CUDA
+    wall-clock time around a module call measures kernel launches, and CUDA graphs skip the call.
     """
+    device = engine.device_config.device
+    if getattr(device, "type", None) != "cpu":
+        raise RuntimeError(f"step_timing times CPU engines only (this engine runs on {device})")
     timer = StepTimer()
     scheduler = engine.scheduler[0]
     scheduler.schedule = timer.timed("schedule", scheduler.schedule)

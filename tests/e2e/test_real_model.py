@@ -1,0 +1,180 @@
+"""The real model served by default (SmolLM2-135M-Instruct, demo://smollm2-135m-instruct).
+
+On a server of its own serving the shipped repository plus a single-step variant of the LLM
+model: served greedy tokens equal Hugging Face transformers' and offline vLLM's, streamed equal
+non-streamed, 8 scheduler steps equal 1 (also with stop strings, max_tokens, penalties and
+seeded sampling), a chat through the ensemble answers in real text and stops at <|im_end|>;
+and a model whose real weights cannot be provided fails to load with a message saying what to run.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+from private_servers import make_repository
+from served_models import LLM_MODEL, REAL_MODEL, SHIPPED_REPOSITORY
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from triton_clients import StreamResult, grpc_generate, make_inputs
+
+from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.demo import smollm2
+from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, start_server
+
+STEPS1 = "vllm_model_steps1"
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Name three primary colours.",
+    "How many legs does a spider have?",
+]
+PLAIN = ["The quick brown fox", "Once upon a time, there was a", "def fibonacci(n):", "The three primary colours are"]
+MAX_TOKENS = 24
+GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS}
+
+
+def chat_ids(tokenizer, question: str) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def real_model_path() -> Path:
+    return demo_models.build(smollm2.NAME)
+
+
+@pytest.fixture(scope="module")
+def prompts(real_model_path: Path) -> list[list[int]]:
+    """Prompt token ids: chats (ChatML template) and plain text (no BOS: the model adds none)."""
+    tokenizer = AutoTokenizer.from_pretrained(real_model_path)
+    return [chat_ids(tokenizer, q) for q in CHATS] + [tokenizer.encode(p) for p in PLAIN]
+
+
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The shipped repository as is (real model, ensemble) plus a single-step copy of the LLM model."""
+    root = tmp_path_factory.mktemp("real-model")
+    repository = root / "repository"
+    shutil.copytree(SHIPPED_REPOSITORY, repository)
+    copy_model(repository / LLM_MODEL, repository / STEPS1, {"num_scheduler_steps": 1})
+    server = start_server(repository, root / "tritonserver.log")
+    try:
+        server.wait_ready(timeout=600)
+        yield server
+    finally:
+        server.stop()
+
+
+def served(server: ServerProcess, ids: list[int], sampling: dict, model: str = LLM_MODEL, **flags) -> StreamResult:
+    result = grpc_generate(server.grpc_url, model, input_ids=ids, sampling=sampling, **flags)
+    assert result.error is None and result.finals == 1, (result.error, result.finals)
+    return result
+
+
+def test_greedy_equals_hf_and_offline_vllm_streamed_whole_and_steps_1(
+    real_server: ServerProcess, real_model_path: Path, prompts: list[list[int]]
+) -> None:
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    llm = LLM(str(real_model_path), dtype="float32", max_model_len=2048, seed=0, enforce_eager=True)
+    offline = [
+        list(o.outputs[0].token_ids)
+        for o in llm.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids in prompts], SamplingParams(**GREEDY), use_tqdm=False
+        )
+    ]
+    del llm
+    gc.collect()
+    model = AutoModelForCausalLM.from_pretrained(real_model_path, torch_dtype=torch.float32)
+    for ids, offline_ids in zip(prompts, offline, strict=True):
+        tensor = torch.tensor([ids])
+        hf = model.generate(
+            tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=MAX_TOKENS, do_sample=False
+        )[0, len(ids) :].tolist()
+        streamed = served(real_server, ids, GREEDY, stream=True)
+        whole = served(real_server, ids, GREEDY, stream=False, exclude_input_in_output=True)
+        single_step = served(real_server, ids, GREEDY, model=STEPS1, stream=True)
+        assert streamed.token_ids() == whole.token_ids() == single_step.token_ids() == offline_ids == hf
+        assert streamed.text() == whole.text() == single_step.text()
+
+
+def _chat_inputs(question: str, **sampling) -> list:
+    inputs = make_inputs(grpcclient, sampling=sampling, stream=True, return_finish_reason=True)
+    messages = grpcclient.InferInput("messages", [1], "BYTES")
+    messages.set_data_from_numpy(np.array([json.dumps([{"role": "user", "content": question}]).encode()], np.object_))
+    return [*inputs, messages]
+
+
+def test_chat_through_the_ensemble_answers_paris_and_stops_at_im_end(real_server: ServerProcess) -> None:
+    result = grpc_generate(
+        real_server.grpc_url, "ensemble", inputs=_chat_inputs(CHATS[0], temperature=0, max_tokens=64)
+    )
+    assert result.error is None and result.finals == 1, result.error
+    text = result.text()
+    assert "Paris" in text and "<|im_end|>" not in text, text
+    assert len(result.data_responses) > 2  # streamed, not sent in one piece
+    assert result.token_ids()[-1] == 2  # <|im_end|>, the model's EOS
+    assert len(result.token_ids()) < 64
+    assert [r["finish_reason"][0] for r in result.data_responses if "finish_reason" in r][-1] == b"stop"
+
+
+SAMPLINGS = {
+    "stop string": {"temperature": 0, "max_tokens": 40, "stop": [" the", "."], "ignore_eos": True},
+    "max_tokens": {"temperature": 0, "max_tokens": 7, "ignore_eos": True},
+    "penalties": {
+        "temperature": 0,
+        "max_tokens": 32,
+        "repetition_penalty": 1.3,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.4,
+        "ignore_eos": True,
+    },
+    "seeded sampling": {"temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 1234, "max_tokens": 32},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLINGS))
+def test_sampling_settings_give_the_same_tokens_at_steps_1_and_8(
+    real_server: ServerProcess, prompts: list[list[int]], name: str
+) -> None:
+    sampling = SAMPLINGS[name]
+    for ids in (prompts[1], prompts[5]):
+        eight = served(real_server, ids, sampling, stream=True)
+        one = served(real_server, ids, sampling, model=STEPS1, stream=True)
+        assert eight.token_ids() == one.token_ids() and eight.text() == one.text()
+        assert eight.token_ids()  # something was generated
+        if name == "max_tokens":
+            assert len(eight.token_ids()) == 7
+        if name == "stop string":
+            assert not any(stop in eight.text() for stop in sampling["stop"])
+
+
+def test_a_model_that_cannot_be_provided_is_a_load_error_saying_what_to_run(tmp_path: Path) -> None:
+    """No cached conversion and no GGUF file: the model does not load, and Triton's load error
+    (log and model status) says why and what to run, listing no frames of the code that found it."""
+    cache = tmp_path / "cache" / "demo-models" / demo_models.BUILD_VERSION
+    cache.mkdir(parents=True)
+    for name in demo_models.DEMO_MODELS:  # the launcher builds the tiny ones first: reuse them
+        (cache / name).symlink_to(demo_models.build(name))
+    repository = make_repository(tmp_path, {LLM_MODEL: {"engine": {"model": REAL_MODEL}}})
+    log = tmp_path / "tritonserver.log"
+    env = {"TRITON_VLLM_MULTISTEP_CACHE": str(tmp_path / "cache"), smollm2.GGUF_ENV: str(tmp_path / "no.gguf")}
+    server = start_server(repository, log, env=env)
+    try:
+        with pytest.raises(RuntimeError, match="server exited"):
+            server.wait_ready(timeout=300)
+    finally:
+        server.stop()
+    text = log.read_text(errors="replace")
+    load_errors = [line for line in text.splitlines() if "failed to load 'vllm_model' version 1" in line]
+    assert load_errors and "no.gguf" in load_errors[0] and "run scripts/setup.sh" in load_errors[0], text[-3000:]
+    assert "DemoModelError" in text and "smollm2.py(" not in text and "config.py(" not in text, text[-3000:]
