@@ -62,6 +62,8 @@ class KvCacheStats:
     total_blocks: int
     running: int
     waiting: int
+    # Share of looked-up blocks found in the prefix cache since start (vLLM's figure); -1 when off.
+    prefix_cache_hit_rate: float = -1.0
 
 
 EngineEvent = StepOutputs | RequestFailed | EngineDied

@@ -140,6 +140,12 @@ def build_engine(engine_args: EngineArgs, *, stream_mode: StreamMode = "step") -
         raise EngineBuildError(f"stream_mode must be one of {', '.join(STREAM_MODES)}, got {stream_mode!r}")
     args = dataclasses.replace(engine_args, multi_step_stream_outputs=stream_mode == "step")
     refuse_pipeline_parallel(args)
+    if current_platform.is_cpu():
+        from triton_vllm_multistep.engine.cpu_attention import check_cpu_attention
+
+        args, refusal = check_cpu_attention(args)
+        if refusal:
+            raise EngineBuildError(refusal)
     preload_model_classes(args)
     steps = args.num_scheduler_steps
     if steps > 1:

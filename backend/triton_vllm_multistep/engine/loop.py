@@ -22,6 +22,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.worker.model_runner_base import InputProcessingError
 
 from triton_vllm_multistep.engine.events import EngineDied, EngineEvent, KvCacheStats, RequestFailed, StepOutputs
+from triton_vllm_multistep.engine.prefix_cache import prefix_cache_hit_rate
 from triton_vllm_multistep.testing.faults import install_fault_injection
 
 logger = logging.getLogger(__name__)
@@ -202,6 +203,7 @@ class EngineLoop:
             total_blocks=(self.engine.cache_config.num_gpu_blocks or 0) * len(schedulers),
             running=sum(len(s.running) for s in schedulers),
             waiting=sum(len(s.waiting) + len(s.swapped) for s in schedulers),
+            prefix_cache_hit_rate=prefix_cache_hit_rate(schedulers),
         )
 
     def _admit_and_abort(self) -> None:

@@ -84,6 +84,7 @@ class ModelServer:
     def __init__(self, pb_utils: Any, args: dict[str, str]) -> None:
         from triton_vllm_multistep.engine.factory import EngineBuildError, build_engine, serving_torch_threads
         from triton_vllm_multistep.engine.loop import EngineLoop
+        from triton_vllm_multistep.engine.warmup import warmed_up
         from triton_vllm_multistep.stub.responder import Responder
 
         self._pb = pb_utils
@@ -112,8 +113,10 @@ class ModelServer:
             drain.HttpReadiness(endpoint, self.model_name, str(args.get("model_version", "1"))) if endpoint else None
         )
         torch_threads = serving_torch_threads()
+        # Warmed up in the engine thread: a setting that would fail the first request fails the load.
         self.loop = EngineLoop(
-            lambda: build_engine(engine_args, stream_mode=self.settings.stream_mode), torch_threads
+            lambda: warmed_up(build_engine(engine_args, stream_mode=self.settings.stream_mode), engine_args),
+            torch_threads,
         )
         try:
             self.engine = self.loop.start_engine()  # a failed build has ended the engine thread

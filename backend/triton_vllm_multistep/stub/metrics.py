@@ -174,6 +174,12 @@ class BackendMetrics:
         self._alive = gauge(
             "vllm_multistep:engine_alive", "Instances of the model whose engine runs (1 per instance, 0 once failed)"
         )
+        # vLLM V0's name for the device KV cache's hit rate (CPU memory on CPU hosts, as gpu_cache_usage_perc).
+        self._prefix_hit_rate = gauge(
+            "vllm:gpu_prefix_cache_hit_rate",
+            "Prefix-cache block hit rate since start, 0-1, mean over the model's instances (-1: prefix caching off)",
+            weight=1.0 / max(1, instances),
+        )
         # What Triton's vLLM backend reports, under its names.
         self._prompt_tokens = counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.")
         self._generation_tokens = counter("vllm:generation_tokens_total", "Number of generation tokens processed.")
@@ -363,3 +369,4 @@ class BackendMetrics:
             self._total.set(state.total_blocks)
             used = state.total_blocks - state.free_blocks
             self._usage.set(used / state.total_blocks if state.total_blocks else 0.0)
+            self._prefix_hit_rate.set(state.prefix_cache_hit_rate)

@@ -1,0 +1,59 @@
+"""Prefix caching through the real server: a model with enable_prefix_caching in model.json streams
+the same tokens as one without, and its hit-rate gauge shows the shared system prompt was reused.
+
+Owns the served prefix-caching check; must not assert on timings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from private_servers import make_repository, metric, scrape, wait_for
+from triton_clients import grpc_generate
+
+from triton_vllm_multistep.testing.local_server import ServerProcess, start_server
+
+PLAIN = "llm_plain"
+CACHED = "llm_prefix_cached"
+SYSTEM = "system: you are terse; answer in plain words, count like 1 2 3 when asked. user: "
+QUESTIONS = ["hello world", "the quick brown fox", "cats sleep near warm windows", "people write code"]
+HIT_RATE = "vllm:gpu_prefix_cache_hit_rate"
+
+
+@pytest.fixture(scope="module")
+def prefix_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> Iterator[ServerProcess]:
+    root: Path = tmp_path_factory.mktemp("prefix_caching")
+    repository = make_repository(root, {PLAIN: {}, CACHED: {"engine": {"enable_prefix_caching": True}}})
+    server = start_server(repository, root / "tritonserver.log")
+    try:
+        server.wait_ready(timeout=600)
+        yield server
+    finally:
+        server.stop()
+
+
+def _generate(server: ServerProcess, model: str, question: str, seeded: bool) -> list[int]:
+    sampling = {"max_tokens": 24, "temperature": 0.9, "top_p": 0.9, "seed": 7} if seeded else {"max_tokens": 24}
+    result = grpc_generate(server.grpc_url, model, prompt=SYSTEM + question, sampling=sampling, stream=True)
+    assert result.error is None and result.finals == 1, result.error
+    return result.token_ids()
+
+
+def test_prefix_cached_model_streams_the_same_tokens_and_reports_hits(prefix_server: ServerProcess) -> None:
+    for seeded in (False, True):
+        for question in QUESTIONS:
+            plain = _generate(prefix_server, PLAIN, question, seeded)
+            assert plain, question
+            assert _generate(prefix_server, CACHED, question, seeded) == plain, (question, seeded)
+
+    def gauges() -> tuple[float | None, float | None]:
+        text = scrape(prefix_server)
+        return metric(text, HIT_RATE, CACHED), metric(text, HIT_RATE, PLAIN)
+
+    # The gauges are sampled by the engine thread and pushed by the responder: wait for the idle report.
+    assert wait_for(lambda: (gauges()[0] or 0) > 0, timeout=30), gauges()
+    cached_rate, plain_rate = gauges()
+    assert 0 < cached_rate <= 1  # type: ignore[operator]
+    assert plain_rate == -1
