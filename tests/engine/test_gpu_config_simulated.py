@@ -184,12 +184,13 @@ def test_pipeline_parallel_is_refused_before_anything_is_built(monkeypatch: pyte
 
 
 def test_tensor_parallel_configs_still_build_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The shipped model (SmolLM2-135M: 9 attention heads, 3 KV heads) splits over 3 GPUs.
     args, _ = _engine_args(
-        REPOSITORY / "vllm_model" / "config.pbtxt", {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+        REPOSITORY / "vllm_model" / "config.pbtxt", {"tensor_parallel_size": 3, "distributed_executor_backend": "mp"}
     )
     with simulated_cuda():
         vllm_config = _build_config(monkeypatch, _small(args))
-        assert vllm_config.parallel_config.tensor_parallel_size == 2
+        assert vllm_config.parallel_config.tensor_parallel_size == 3
         assert vllm_config.parallel_config.worker_cls == MULTI_STEP_WORKER
 
 
