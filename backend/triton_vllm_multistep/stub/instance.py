@@ -43,8 +43,6 @@ INPUTS = [
     # Declared as Triton's vLLM backend does (base64 images) so its clients' configs load; refused per request.
     (codec.IMAGE_INPUT, "TYPE_STRING", [-1], True),
 ]
-# How long an engine failure waits for the model to be reported not ready before failing its requests.
-NOT_READY_WAIT_SECONDS = 2.0
 # Triton's vLLM backend's words for a request refused by a failed engine, kept as the leading phrase.
 UNHEALTHY_ENGINE_MESSAGE = "Model is unavailable due to unhealthy vLLM engine"
 OUTPUTS = [
@@ -107,11 +105,6 @@ class ModelServer:
         )
         # The stub is a child of tritonserver: its command line says how it runs.
         self._server_command = triton_command.of_process(os.getppid())
-        endpoint = self._server_command.http_endpoint if self._server_command else None
-        # Asked after an engine failure, until the server reports this model not ready.
-        self._readiness = (
-            drain.HttpReadiness(endpoint, self.model_name, str(args.get("model_version", "1"))) if endpoint else None
-        )
         torch_threads = serving_torch_threads()
         # Warmed up in the engine thread: a setting that would fail the first request fails the load.
         self.loop = EngineLoop(
@@ -261,9 +254,11 @@ class ModelServer:
     def _on_engine_death(self, message: str) -> None:
         """Engine thread, once, before the requests in flight are failed: take the model out of service.
 
-        The unload is asked first and readiness watched until the server reports the model not
-        ready (at most NOT_READY_WAIT_SECONDS), so a client that checks readiness on getting its
-        error finds the model not ready.
+        The unload is asked on a thread of its own and the errors go out at once. Asking for the
+        unload first and holding the errors until Triton reported the model not ready (so that a
+        client checking readiness on its error would find it not ready) left a stream without its
+        FINAL in one fresh-clone run: Triton 2.51 was unloading the model while that request's
+        sender was still open. Until that is understood, the errors are not held back.
         """
         if self.metrics is not None:
             self.metrics.on_engine_died()
@@ -274,14 +269,6 @@ class ModelServer:
             return
         unload: dict[str, bool] = {}  # "requested": True / False once Triton was asked
         threading.Thread(target=self._unload_self, args=(message, unload), name="vllm-self-unload", daemon=True).start()
-        is_ready = self._readiness
-        deadline = time.monotonic() + NOT_READY_WAIT_SECONDS
-        while time.monotonic() < deadline and unload.get("requested") is not False:
-            if is_ready is not None and unload.get("requested") and is_ready() is not True:
-                return  # not ready (or the endpoint no longer answers)
-            if is_ready is None and "requested" in unload:
-                return  # nothing to ask readiness of
-            time.sleep(0.01)
 
     def _unload_self(self, message: str, unload: dict[str, bool]) -> None:
         """Ask Triton to unload this model (explicit model control only); `unload["requested"]` says how it went.
