@@ -267,11 +267,10 @@ class ModelServer:
                 "vllm_multistep: model %s: engine failed (%s); answering UNAVAILABLE", self.model_name, message
             )
             return
-        unload: dict[str, bool] = {}  # "requested": True / False once Triton was asked
-        threading.Thread(target=self._unload_self, args=(message, unload), name="vllm-self-unload", daemon=True).start()
+        threading.Thread(target=self._unload_self, args=(message,), name="vllm-self-unload", daemon=True).start()
 
-    def _unload_self(self, message: str, unload: dict[str, bool]) -> None:
-        """Ask Triton to unload this model (explicit model control only); `unload["requested"]` says how it went.
+    def _unload_self(self, message: str) -> None:
+        """Ask Triton to unload this model (explicit model control only), and log how it went.
 
         Python-based backends in Triton 2.51 cannot report "not ready" themselves (no `is_ready`
         hook): unloading is the only way to stop the model being reported ready. Triton reports it
@@ -288,7 +287,6 @@ class ModelServer:
                 raise RuntimeError(f"the server runs with --model-control-mode={mode}")
             self._pb.unload_model(self.model_name)
         except Exception as error:
-            unload["requested"] = False
             logger.error(
                 "vllm_multistep: engine of model %s failed (%s); could not unload it (%s): it stays loaded and "
                 "answers UNAVAILABLE until the server is restarted (use --model-control-mode=explicit to have "
@@ -298,7 +296,6 @@ class ModelServer:
                 error,
             )
         else:
-            unload["requested"] = True
             logger.error(
                 "vllm_multistep: engine of model %s failed (%s); model unload requested", self.model_name, message
             )
