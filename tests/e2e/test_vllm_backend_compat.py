@@ -292,7 +292,7 @@ def test_after_an_engine_failure_the_model_is_taken_out_of_service(compat_server
     try:
         failed = grpc_generate(server.grpc_url, THEIRS, prompt="hi", sampling={**GREEDY_16, "max_tokens": 50})
         assert failed.error is not None and "vLLM engine failed" in failed.error
-        # The unload is asked as the error goes out (not before it: see ModelServer._on_engine_death).
+        # The unload is asked once the errors are out (see ModelServer._after_engine_death_answered).
         assert wait_for(lambda: not model_ready(server, THEIRS), timeout=30)
         # A model that stays loaded refuses with their backend's phrase first.
         lost = grpc_generate(server.grpc_url, "stays_loaded", prompt="hi", sampling={**GREEDY_16, "max_tokens": 50})

@@ -310,8 +310,7 @@ class EngineLoop:
             logger.error("%s\n%s", self.error, traceback.format_exc())
             lost = sorted(self._in_engine) + [a.request_id for a in self._admissions]
             self._admissions.clear()
-            # The death callback first: it takes the model out of service (not ready) before any
-            # client hears of the failure, so a client that then asks for readiness is told the truth.
+            # The death callback first (metrics count the failure), then the requests' errors.
             if self._on_death is not None:
                 try:
                     self._on_death(self.error)

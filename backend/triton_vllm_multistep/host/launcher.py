@@ -315,7 +315,14 @@ def _drain_then_stop(process: subprocess.Popen, drain_file: Path, exit_timeout: 
 
 
 def _report_drain(result: DrainResult) -> None:
-    if result.stubs:
+    if not result.stubs:
+        print(
+            f"[triton-vllm-multistep] no {BACKEND_NAME} model instance found in tritonserver's processes: "
+            "stopping it without draining first",
+            file=sys.stderr,
+            flush=True,
+        )
+    else:
         state = f"{len(result.busy)} still busy" if result.busy else "all drained"
         print(
             f"[triton-vllm-multistep] drained {len(result.stubs)} model instance(s) in {result.seconds:.1f} s "

@@ -88,6 +88,7 @@ class ModelServer:
         self._pb = pb_utils
         model_config = json.loads(args["model_config"])
         self.model_name = args.get("model_name") or model_config["name"]
+        self._unload_requested = False
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise config.ConfigError("model_transaction_policy { decoupled: true } is required: this backend streams")
         model_dir = Path(args["model_repository"])
@@ -147,6 +148,7 @@ class ModelServer:
                 )
             self.responder = Responder(pb_utils, abort=lambda rid: self.loop.abort(rid), observer=self.metrics)
             self.responder.window_decode = window_decoder(self._load_tokenizer(engine_args))
+            self.responder.after_engine_death = self._after_engine_death_answered
             # Everything built so far (torch, vLLM, the model: ~10^6 objects) lives as long as the
             # model; without this, every full collection walks all of it (~250 ms with all threads
             # stopped) while serving. Frozen objects are never collected, so collect once first.
@@ -252,16 +254,23 @@ class ModelServer:
         self.responder.send_error(sender, f"{reason}: not taking new requests", self._pb.TritonError.UNAVAILABLE)
 
     def _on_engine_death(self, message: str) -> None:
-        """Engine thread, once, before the requests in flight are failed: take the model out of service.
-
-        The unload is asked on a thread of its own and the errors go out at once. Asking for the
-        unload first and holding the errors until Triton reported the model not ready (so that a
-        client checking readiness on its error would find it not ready) left a stream without its
-        FINAL in one fresh-clone run: Triton 2.51 was unloading the model while that request's
-        sender was still open. Until that is understood, the errors are not held back.
-        """
+        """Engine thread, once, before the requests in flight are failed: count the failure."""
         if self.metrics is not None:
             self.metrics.on_engine_died()
+
+    def _after_engine_death_answered(self, message: str) -> None:
+        """Response thread, once every request in flight has its error: take the model out of service.
+
+        The unload comes after the errors, never beside or before them: Triton 2.51 unloads a
+        decoupled Python model at once (its requests are released when execute() returns), and an
+        unload that starts while the model still sends responses corrupted tritonserver's heap
+        (seen under load: "malloc(): unaligned fastbin chunk detected", SIGABRT, the server hung)
+        or lost a FINAL. So a client checking readiness the instant it gets its error can still
+        find the model ready for a moment (docs/lifecycle.md).
+        """
+        if self._unload_requested:
+            return
+        self._unload_requested = True
         if not self.settings.unload_on_engine_failure:
             logger.error(
                 "vllm_multistep: model %s: engine failed (%s); answering UNAVAILABLE", self.model_name, message

@@ -169,6 +169,9 @@ class Responder:
         self._lock = threading.Lock()
         self._events = EventQueue(max_queued_steps)
         self._final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        # Called on this thread once the errors of an engine failure are sent (not on stop()).
+        self.after_engine_death: Callable[[str], None] | None = None
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="triton-responder", daemon=True)
 
     def start(self) -> None:
@@ -180,6 +183,7 @@ class Responder:
         Never waits on a full queue; an engine thread still waiting to post is released when the
         response thread ends (or here, if it does not end in time).
         """
+        self._stopping = True
         self._events.put(EngineDied(reason, []))
         self._events.put(None)
         if self._thread.is_alive():
@@ -290,6 +294,8 @@ class Responder:
                 time.sleep(ENSEMBLE_CATCH_UP_SECONDS)
             for request_id in request_ids:
                 self.fail(request_id, event.message, self._pb.TritonError.UNAVAILABLE)
+            if isinstance(event, EngineDied) and not self._stopping and self.after_engine_death is not None:
+                self.after_engine_death(event.message)
 
     def _send_outputs(self, event: StepOutputs) -> None:
         ready: list[tuple[Any, RequestState, Any, bool]] = []
