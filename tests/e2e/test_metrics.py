@@ -35,6 +35,7 @@ GAUGES = (
     "vllm_multistep:kv_cache_free_blocks",
     "vllm_multistep:kv_cache_total_blocks",
     "vllm_multistep:engine_alive",
+    "vllm_multistep:response_queue_steps",
 )
 
 
@@ -165,6 +166,7 @@ def test_request_counters_and_histograms_count_exactly_what_was_served(server) -
     assert delta(after, "vllm_multistep:pythonization_lag_seconds_count") >= max(m for _, m in STREAMED)
     assert delta(after, "vllm_multistep:pythonization_lag_seconds_sum") > 0
     assert delta(after, "vllm_multistep:step_host_overhead_seconds_sum") > 0
-    # Idle again: nothing running or waiting, the KV cache entirely free.
+    # Idle again: nothing running or waiting, the KV cache entirely free, no step waiting for responses.
     assert after["vllm:gpu_cache_usage_perc"] == 0
+    assert after["vllm_multistep:response_queue_steps"] == 0
     assert after["vllm_multistep:kv_cache_free_blocks"] == after["vllm_multistep:kv_cache_total_blocks"] > 0

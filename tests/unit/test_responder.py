@@ -106,6 +106,26 @@ def test_engine_death_ends_every_request_in_flight_once(harness: Harness) -> Non
     assert done.finals == 1 and not any(r.has_error() for r in done.responses())
 
 
+def test_after_an_engine_death_the_hook_runs_once_every_error_is_sent_and_not_on_stop(harness: Harness) -> None:
+    """The stub unloads the model from this hook: Triton 2.51 must not start unloading while errors go out."""
+    a, b = harness.register("a"), harness.register("b")
+    finals_when_called: list[tuple[str, int]] = []
+    harness.responder.after_engine_death = lambda message: finals_when_called.append((message, a.finals + b.finals))
+    harness.responder.post(EngineDied("the engine failed: boom", ["a", "b"]))
+    assert wait_until(lambda: finals_when_called == [("the engine failed: boom", 2)])
+    harness.stop()  # the stop's own EngineDied is not an engine failure
+    assert finals_when_called == [("the engine failed: boom", 2)]
+
+
+def test_the_engine_death_hook_is_not_called_by_a_stop_without_a_failure() -> None:
+    handle = Harness()
+    called: list[str] = []
+    handle.responder.after_engine_death = called.append
+    handle.register("a")
+    handle.stop()
+    assert handle.senders["a"].finals == 1 and called == []
+
+
 def test_end_requests_aborts_them_then_sends_one_unavailable_final(harness: Harness) -> None:
     a = harness.register("a")
     harness.step(("a", "x", [1], False))

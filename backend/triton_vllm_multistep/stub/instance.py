@@ -149,6 +149,8 @@ class ModelServer:
             self.responder = Responder(pb_utils, abort=lambda rid: self.loop.abort(rid), observer=self.metrics)
             self.responder.window_decode = window_decoder(self._load_tokenizer(engine_args))
             self.responder.after_engine_death = self._after_engine_death_answered
+            if self.metrics is not None:
+                self.metrics.response_queue_depth = self.responder.queued_steps
             # Everything built so far (torch, vLLM, the model: ~10^6 objects) lives as long as the
             # model; without this, every full collection walks all of it (~250 ms with all threads
             # stopped) while serving. Frozen objects are never collected, so collect once first.

@@ -29,7 +29,7 @@ import gc
 import math
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,6 +180,13 @@ class BackendMetrics:
             "Prefix-cache block hit rate since start, 0-1, mean over the model's instances (-1: prefix caching off)",
             weight=1.0 / max(1, instances),
         )
+        # Engine steps whose outputs wait for the response thread (bounded: the engine waits at the bound).
+        self._response_queue = gauge(
+            "vllm_multistep:response_queue_steps",
+            "Engine steps whose outputs wait for the response thread (the engine waits when the queue is full)",
+        )
+        self.response_queue_depth: Callable[[], int] | None = None  # set by the owner of the queue
+        self._flushed_depth = -1
         # What Triton's vLLM backend reports, under its names.
         self._prompt_tokens = counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.")
         self._generation_tokens = counter("vllm:generation_tokens_total", "Number of generation tokens processed.")
@@ -227,7 +234,15 @@ class BackendMetrics:
         self._windows_pending = 0
         self._finished: list[tuple[RequestTiming, float]] = []
         self._flushed_at = 0.0
-        self._gauges = (self._running, self._waiting, self._usage, self._free, self._total, self._alive)
+        self._gauges = (
+            self._running,
+            self._waiting,
+            self._usage,
+            self._free,
+            self._total,
+            self._alive,
+            self._response_queue,
+        )
         self._flush_lock = threading.Lock()  # the responder flushes; close() flushes once more
 
     # --- engine thread -------------------------------------------------------------------
@@ -360,6 +375,9 @@ class BackendMetrics:
                 self._ttft.observe(max(0.0, timing.first_token_at - timing.arrival))
         for histogram in (self._tpot, self._tokens_per_response, self._lag, self._overhead):
             histogram.flush()
+        if self.response_queue_depth is not None and (depth := self.response_queue_depth()) != self._flushed_depth:
+            self._flushed_depth = depth
+            self._response_queue.set(depth)
         state = self._engine_state
         if state is not None and state != self._flushed_state:
             self._flushed_state = state
