@@ -21,7 +21,7 @@ from pathlib import Path
 
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.host import stub_python
-from triton_vllm_multistep.lifecycle import triton_command
+from triton_vllm_multistep.lifecycle import procfs, triton_command
 from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV, EXIT_GRACE_SECONDS
 from triton_vllm_multistep.lifecycle.server_drain import DrainResult, drain_server
 from triton_vllm_multistep.stub.device import gpu_count
@@ -317,8 +317,8 @@ def _drain_then_stop(process: subprocess.Popen, drain_file: Path, exit_timeout: 
 def _report_drain(result: DrainResult) -> None:
     if not result.stubs:
         print(
-            f"[triton-vllm-multistep] no {BACKEND_NAME} model instance found in tritonserver's processes: "
-            "stopping it without draining first",
+            f"[triton-vllm-multistep] no {BACKEND_NAME} model instance found among tritonserver's processes "
+            f"({_children_summary(result.server_pid)}): stopping it without draining first",
             file=sys.stderr,
             flush=True,
         )
@@ -330,6 +330,14 @@ def _report_drain(result: DrainResult) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def _children_summary(server_pid: int) -> str:
+    """What runs below tritonserver, for the log when no instance to drain was found."""
+    found = [
+        f"{pid}: {' '.join(procfs.cmdline(pid)[:1] + procfs.cmdline(pid)[-1:])}" for pid in procfs.children(server_pid)
+    ]
+    return "; ".join(found) or "none"
 
 
 def _reap_group(pgid: int) -> None:
