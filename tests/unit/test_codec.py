@@ -89,6 +89,18 @@ def test_request_parameters_are_sampling_fields_unless_the_input_is_there() -> N
     assert (generation.sampling_params.temperature, generation.sampling_params.top_p) == (0.7, 1.0)
 
 
+def test_stream_interval_is_read_beside_the_sampling_fields_wherever_they_come_from() -> None:
+    assert request({"text_input": text("hi")}, {"stream_interval": 4, "temperature": 0}).stream_interval == 4
+    assert request({"text_input": text("hi")}, {"stream_interval": "3"}).stream_interval == 3
+    assert request(sampling({"stream_interval": 2, "max_tokens": 5})).stream_interval == 2
+    assert request(sampling({"max_tokens": 5})).stream_interval is None
+    for bad in (0, 1025, 1.5, True, "often"):
+        with pytest.raises(codec.RequestError, match="sampling_parameters.stream_interval must be an integer"):
+            request(sampling({"stream_interval": bad}))
+    with pytest.raises(codec.RequestError, match=r"^parameters\.stream_interval must be"):
+        request({"text_input": text("hi")}, {"stream_interval": -1})
+
+
 def test_a_configured_max_tokens_limit_also_caps_the_default() -> None:
     limited = codec.ModelLimits(VOCAB, 64, Limits(max_tokens=8))
     assert request({"text_input": text("hi")}, model=limited).sampling_params.max_tokens == 8

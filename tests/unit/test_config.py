@@ -72,7 +72,9 @@ def test_an_empty_drain_time_means_derived_from_the_exit_timeout(value: str) -> 
 @pytest.mark.parametrize(
     ("parameters", "message"),
     [
-        ({"stream_mode": "token"}, "parameter 'stream_mode' must be 'step' or 'window', got 'token'"),
+        ({"stream_mode": "token"}, "parameter 'stream_mode' must be one of step, window, merge, got 'token'"),
+        ({"stream_interval": "0"}, "parameter 'stream_interval' must be >= 1, got 0"),
+        ({"stream_interval": "2000"}, "parameter 'stream_interval' must be <= 1024, got 2000"),
         ({"enable_metrics": "sometimes"}, "parameter 'enable_metrics' must be true or false, got 'sometimes'"),
         ({"unload_on_engine_failure": "2"}, "parameter 'unload_on_engine_failure' must be true or false"),
         ({"max_n": "many"}, "parameter 'max_n' must be an integer, got 'many'"),

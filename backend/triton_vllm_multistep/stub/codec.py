@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # vLLM is imported where used: auto_complete_config's stub ne
     from vllm.outputs import RequestOutput
     from vllm.sampling_params import SamplingParams
 
-from triton_vllm_multistep.stub.config import Limits
+from triton_vllm_multistep.stub.config import MAX_STREAM_INTERVAL, Limits
 from triton_vllm_multistep.stub.detokenization import text_window
 
 RETURN_FLAGS = (
@@ -171,6 +171,8 @@ class GenerationRequest:
     returns: ReturnFlags = field(default_factory=ReturnFlags)
     # Prompt + output ids so far; kept only when detokenization windows are asked for.
     context_ids: list[int] | None = None
+    # Engine outputs per streamed response, when the request sets its own (`stream_interval`).
+    stream_interval: int | None = None
 
 
 @dataclass(frozen=True)
@@ -278,6 +280,10 @@ def check_max_tokens(max_tokens: int, where: str) -> None:
     """A request must ask for at least one token; `where` names the input or field for the error."""
     if max_tokens < 1:
         raise RequestError(f"{where} must be >= 1, got {max_tokens}")
+
+
+# Read beside the sampling fields, from wherever they come: engine outputs per streamed response.
+STREAM_INTERVAL_FIELD = "stream_interval"
 
 
 def sampling_fields(inputs: Mapping[str, np.ndarray], parameters_json: str | None) -> tuple[dict[str, Any], str]:
@@ -388,6 +394,7 @@ def decode_request(
         )
 
     fields, source = sampling_fields(inputs, parameters_json)
+    interval = _stream_interval(fields.pop(STREAM_INTERVAL_FIELD, None), source)
     params = sampling_params(fields, stream, model, source)
     if not exclude and prompt_text is None:
         prompt_text = decode(prompt_ids)
@@ -402,7 +409,21 @@ def decode_request(
         prepend_prompt=not exclude,
         returns=returns,
         context_ids=list(prompt_ids) if returns.detokenization_window else None,
+        stream_interval=interval,
     )
+
+
+def _stream_interval(value: Any, source: str) -> int | None:
+    """A request's own `stream_interval` (beside the sampling fields; not a vLLM SamplingParams field)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)  # KServe request parameters may carry numbers as strings
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_STREAM_INTERVAL:
+        raise RequestError(
+            f"{source}.{STREAM_INTERVAL_FIELD} must be an integer between 1 and {MAX_STREAM_INTERVAL}, got {value!r}"
+        )
+    return value
 
 
 def encode_response(

@@ -11,10 +11,10 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from triton_vllm_multistep.demo import models as demo_models
-from triton_vllm_multistep.engine.events import STREAM_MODES, StreamMode
+from triton_vllm_multistep.engine.events import StreamMode
 
 logger = logging.getLogger("triton_vllm_multistep")
 MODEL_JSON = "model.json"
@@ -52,12 +52,28 @@ class Limits:
     max_request_bytes: int = 1 << 20
 
 
+# config.pbtxt `stream_mode`: "step" (one response per decoded step: the engine hands out every
+# step), "window" (one per scheduling window: the engine hands out once per window) and "merge"
+# (the engine hands out every step; a stream's steps still queued when the response thread gets
+# to them go out as one response). `stream_interval` k sends every k-th engine output in any mode.
+ResponseMode = Literal["step", "window", "merge"]
+RESPONSE_MODES: tuple[ResponseMode, ...] = ("step", "window", "merge")
+MAX_STREAM_INTERVAL = 1024
+
+
+def engine_stream_mode(mode: ResponseMode) -> StreamMode:
+    """What the engine is built with for a response mode: merging needs every step's output."""
+    return "window" if mode == "window" else "step"
+
+
 @dataclass(frozen=True)
 class BackendSettings:
     """Everything the backend needs besides the engine arguments."""
 
     # config.pbtxt `stream_mode`; model.json's `multi_step_stream_outputs` (vLLM's name) is an alias.
-    stream_mode: StreamMode = "step"
+    stream_mode: ResponseMode = "step"
+    # config.pbtxt `stream_interval`: engine outputs per streamed response (a request may set its own).
+    stream_interval: int = 1
     cpu_kvcache_space_gib: int = 1
     enable_metrics: bool = True
     limits: Limits = dataclasses.field(default_factory=Limits)
@@ -102,7 +118,7 @@ def _as_seconds(name: str, text: str) -> float:
     return value
 
 
-def stream_mode_setting(params: dict[str, str], engine_json: dict[str, Any]) -> StreamMode:
+def stream_mode_setting(params: dict[str, str], engine_json: dict[str, Any]) -> ResponseMode:
     """config.pbtxt `stream_mode` and model.json `multi_step_stream_outputs` (its alias): either, or both agreeing."""
     from_json = engine_json.get("multi_step_stream_outputs")
     if from_json is not None and not isinstance(from_json, bool):
@@ -110,16 +126,26 @@ def stream_mode_setting(params: dict[str, str], engine_json: dict[str, Any]) -> 
     if "stream_mode" not in params:
         return "window" if from_json is False else "step"
     mode = params["stream_mode"].strip().lower()
-    if mode not in STREAM_MODES:
-        raise ConfigError(f"config.pbtxt parameter 'stream_mode' must be 'step' or 'window', got {mode!r}")
-    per_step = mode == "step"
+    if mode not in RESPONSE_MODES:
+        raise ConfigError(
+            f"config.pbtxt parameter 'stream_mode' must be one of {', '.join(RESPONSE_MODES)}, got {mode!r}"
+        )
+    per_step = engine_stream_mode(mode) == "step"  # type: ignore[arg-type]  # checked above
     if from_json is not None and from_json != per_step:
         raise ConfigError(
             f"config.pbtxt parameter 'stream_mode'={mode!r} and model.json 'multi_step_stream_outputs'="
             f"{str(from_json).lower()} disagree: set one of them, or both to the same choice "
-            "('step' = true, 'window' = false)"
+            "('step' or 'merge' = true, 'window' = false)"
         )
-    return mode  # type: ignore[return-value]  # checked against STREAM_MODES above
+    return mode  # type: ignore[return-value]  # checked against RESPONSE_MODES above
+
+
+def stream_interval_setting(params: dict[str, str]) -> int:
+    """config.pbtxt `stream_interval`: engine outputs (steps; windows in "window" mode) per response."""
+    interval = _as_int("stream_interval", params.get("stream_interval", "1"), minimum=1)
+    if interval > MAX_STREAM_INTERVAL:
+        raise ConfigError(f"config.pbtxt parameter 'stream_interval' must be <= {MAX_STREAM_INTERVAL}, got {interval}")
+    return interval
 
 
 def metrics_setting(params: dict[str, str], engine_json: dict[str, Any]) -> bool:
@@ -175,6 +201,7 @@ def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) 
     )
     return BackendSettings(
         stream_mode=stream_mode,
+        stream_interval=stream_interval_setting(params),
         cpu_kvcache_space_gib=_as_int("cpu_kvcache_space_gib", params.get("cpu_kvcache_space_gib", "1"), minimum=1),
         enable_metrics=metrics_setting(params, engine_json),
         limits=limits,
@@ -245,7 +272,7 @@ def engine_args(engine_json: dict[str, Any], model_dir: Path, settings: BackendS
         value = values.get(name)
         if isinstance(value, str) and value:
             values[name] = resolve_path(value, model_dir)
-    values["multi_step_stream_outputs"] = settings.stream_mode == "step"
+    values["multi_step_stream_outputs"] = engine_stream_mode(settings.stream_mode) == "step"
     steps = values["num_scheduler_steps"]
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ConfigError(f"model.json: 'num_scheduler_steps' must be an integer >= 1, got {steps!r}")

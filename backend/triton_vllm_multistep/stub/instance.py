@@ -108,9 +108,9 @@ class ModelServer:
         self._server_command = triton_command.of_process(os.getppid())
         torch_threads = serving_torch_threads()
         # Warmed up in the engine thread: a setting that would fail the first request fails the load.
+        engine_mode = config.engine_stream_mode(self.settings.stream_mode)
         self.loop = EngineLoop(
-            lambda: warmed_up(build_engine(engine_args, stream_mode=self.settings.stream_mode), engine_args),
-            torch_threads,
+            lambda: warmed_up(build_engine(engine_args, stream_mode=engine_mode), engine_args), torch_threads
         )
         try:
             self.engine = self.loop.start_engine()  # a failed build has ended the engine thread
@@ -146,7 +146,13 @@ class ModelServer:
                     model.max_model_len,
                     instances=config.instance_count(model_config, gpu_count()),
                 )
-            self.responder = Responder(pb_utils, abort=lambda rid: self.loop.abort(rid), observer=self.metrics)
+            self.responder = Responder(
+                pb_utils,
+                abort=lambda rid: self.loop.abort(rid),
+                observer=self.metrics,
+                stream_interval=self.settings.stream_interval,
+                merge_when_behind=self.settings.stream_mode == "merge",
+            )
             self.responder.window_decode = window_decoder(self._load_tokenizer(engine_args))
             self.responder.after_engine_death = self._after_engine_death_answered
             if self.metrics is not None:
@@ -182,7 +188,12 @@ class ModelServer:
             "drains for up to %.1f s on unload",
             model.model,
             self.engine.scheduler_config.num_scheduler_steps,
-            "step" if self.settings.stream_mode == "step" else "scheduling window",
+            {
+                "step": "step",
+                "window": "scheduling window",
+                "merge": "step (a stream's queued steps merged when responses fall behind)",
+            }[self.settings.stream_mode]
+            + (f", every {self.settings.stream_interval} engine outputs" if self.settings.stream_interval > 1 else ""),
             self.loop.torch_threads,
             self.drain.drain_seconds,
         )

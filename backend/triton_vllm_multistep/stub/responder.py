@@ -18,6 +18,7 @@ from typing import Any
 from triton_vllm_multistep.engine.events import EngineDied, EngineEvent, RequestFailed, StepOutputs
 from triton_vllm_multistep.lifecycle.protocol import ENSEMBLE_CATCH_UP_SECONDS
 from triton_vllm_multistep.stub import codec, triton_io
+from triton_vllm_multistep.stub.stream_merge import merge_deltas
 
 logger = logging.getLogger(__name__)
 CANCEL_SWEEP_SECONDS = 0.05
@@ -147,6 +148,10 @@ class RequestState:
     first: bool = True
     last_cancel_check: float = 0.0
     timing: Any = None  # metrics.RequestTiming when metrics are on
+    # Streamed outputs not sent yet (stream_interval, or merged while the responses fall behind):
+    # one delta output standing for `held_outputs` engine outputs.
+    held: Any = None
+    held_outputs: int = 0
 
 
 class Responder:
@@ -158,8 +163,16 @@ class Responder:
         abort: Callable[[str], None],
         observer: Any = None,
         max_queued_steps: int = MAX_QUEUED_STEPS,
+        stream_interval: int = 1,
+        merge_when_behind: bool = False,
     ) -> None:
         self._pb = pb_utils
+        # Engine outputs per streamed response unless the request sets its own; with
+        # `merge_when_behind` ("merge" stream mode) a stream's outputs are also held while more
+        # engine steps are queued, and go out as one response once the thread has caught up.
+        self._stream_interval = stream_interval
+        self._merge_when_behind = merge_when_behind
+        self._holding: set[str] = set()  # requests with held outputs
         self._abort = abort
         self._observer = observer
         # Decodes detokenization windows (ensembles); a tokenizer of this thread's own.
@@ -245,6 +258,7 @@ class Responder:
         with self._lock:
             state = self._states.pop(request_id, None)
         if state is not None:
+            self._holding.discard(request_id)  # its held outputs are dropped with it
             self.send_error(state.sender, message, code)
 
     def _run(self) -> None:
@@ -284,6 +298,7 @@ class Responder:
             self.fail(event.request_id, event.message, self._pb.TritonError.INVALID_ARG)
         elif isinstance(event, EngineDied | EndRequests):
             request_ids = self.request_ids()
+            self._send_held(request_ids)  # tokens already generated go out before the error
             if isinstance(event, EndRequests):
                 for request_id in request_ids:
                     self._abort(request_id)  # the engine still runs it (a dead one runs nothing)
@@ -298,26 +313,74 @@ class Responder:
                 self.after_engine_death(event.message)
 
     def _send_outputs(self, event: StepOutputs) -> None:
-        ready: list[tuple[Any, RequestState, Any, bool]] = []
+        due: list[tuple[str, Any, RequestState]] = []
         for output in event.outputs:
             state = self._states.get(output.request_id)
             if state is None:
                 continue  # aborted or cancelled: its FINAL is already sent
+            if state.request.stream:
+                output = self._hold_or_release(output, state)
+                if output is None:
+                    continue
+            due.append((output.request_id, output, state))
+        if self._holding and self._merge_when_behind and not self._events.queued_steps():
+            # Caught up: what was held only because the responses were behind goes out now.
+            for request_id in list(self._holding):
+                state = self._states.get(request_id)
+                if state is not None and state.held_outputs >= self._interval(state):
+                    due.append((request_id, self._release(request_id, state), state))
+        self._send(due, event)
+
+    def _interval(self, state: RequestState) -> int:
+        return state.request.stream_interval or self._stream_interval
+
+    def _hold_or_release(self, output: Any, state: RequestState) -> Any:
+        """The output to send now for a streamed request (its held outputs merged in), or None to hold it."""
+        if state.held is None and self._stream_interval == 1 and not self._merge_when_behind:
+            if state.request.stream_interval in (None, 1):
+                return output  # the per-step contract: nothing to merge, nothing to hold
+        state.held = output if state.held is None else merge_deltas(state.held, output)
+        state.held_outputs += 1
+        behind = self._merge_when_behind and self._events.queued_steps() > 0
+        if not output.finished and (
+            state.held_outputs < self._interval(state) or (behind and state.held_outputs < self._events.max_steps)
+        ):
+            self._holding.add(output.request_id)
+            return None
+        return self._release(output.request_id, state)
+
+    def _release(self, request_id: str, state: RequestState) -> Any:
+        output, state.held, state.held_outputs = state.held, None, 0
+        self._holding.discard(request_id)
+        return output
+
+    def _send_held(self, request_ids: list[str]) -> None:
+        """Send the held outputs of these requests as they are (not FINAL): before their error."""
+        due = []
+        for request_id in request_ids:
+            state = self._states.get(request_id)
+            if state is not None and state.held is not None:
+                due.append((request_id, self._release(request_id, state), state))
+        if due:
+            self._send(due, None)
+
+    def _send(self, due: list[tuple[str, Any, RequestState]], event: StepOutputs | None) -> None:
+        """Encode and send one response per entry; a finished output's response is its request's FINAL."""
+        ready: list[tuple[Any, RequestState, Any, bool]] = []
+        for request_id, output, state in due:
             finished = output.finished
             try:
                 arrays = codec.encode_response(output, state.request, state.first, self.window_decode)
                 response = triton_io.response(self._pb, arrays)
             except Exception as error:
-                logger.exception("could not encode response for %s", output.request_id)
-                self._abort(output.request_id)
-                self.fail(
-                    output.request_id, f"internal error encoding the response: {error}", self._pb.TritonError.INTERNAL
-                )
+                logger.exception("could not encode response for %s", request_id)
+                self._abort(request_id)
+                self.fail(request_id, f"internal error encoding the response: {error}", self._pb.TritonError.INTERNAL)
                 continue
             state.first = False
             if finished:
                 with self._lock:
-                    self._states.pop(output.request_id, None)
+                    self._states.pop(request_id, None)
             ready.append((output, state, response, finished))
         if self._observer is not None:
             self._observe(event, ready)
@@ -330,10 +393,11 @@ class Responder:
                     self._abort(output.request_id)
                     with self._lock:
                         self._states.pop(output.request_id, None)
-        if self._observer is not None:
+                    self._holding.discard(output.request_id)
+        if self._observer is not None and event is not None:
             self._observer.on_step(event, time.perf_counter())
 
-    def _observe(self, event: StepOutputs, ready: list[tuple[Any, RequestState, Any, bool]]) -> None:
+    def _observe(self, event: StepOutputs | None, ready: list[tuple[Any, RequestState, Any, bool]]) -> None:
         """Record the responses about to be sent; flush first if any is a FINAL.
 
         A client that scrapes the metrics once it has its FINAL must find its request counted, so
@@ -353,7 +417,7 @@ class Responder:
                 finished,
                 now,
                 engine_first,
-                event.unreturned.get(output.request_id, (0, 0)) if finished else (0, 0),
+                event.unreturned.get(output.request_id, (0, 0)) if finished and event is not None else (0, 0),
             )
             finals = finals or finished
         if finals:
