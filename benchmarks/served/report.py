@@ -75,6 +75,21 @@ def annotate(results: dict[str, Any]) -> None:
         TARGETS["steps8_window_vs_steps1"],
         True,
     )
+    high = sorted(level for level in served.get("steps8_step", {}) if level >= c)
+    for level in high:
+        check(
+            f"c={level}: steps 8 per step / offline at the served thread count",
+            ratio("steps8_step", "vs_ceiling_same_threads", level),
+            TARGETS["steps8_step_vs_same_threads"],
+            True,
+        )
+        merge, window = served.get("steps8_merge", {}).get(level), served.get("steps8_window", {}).get(level)
+        check(
+            f"c={level}: steps 8 merge / steps 8 per window",
+            merge["tokens_per_s"] / window["tokens_per_s"] if merge and window else None,
+            TARGETS["steps8_merge_vs_window"],
+            True,
+        )
     for name in CONFIGS:
         level = served.get(name, {}).get(1)
         check(
@@ -86,6 +101,9 @@ def annotate(results: dict[str, Any]) -> None:
     step, one = served.get("steps8_step", {}).get(1), served.get("steps1", {}).get(1)
     itl_ratio = step["itl_ms"]["p50"] / one["itl_ms"]["p50"] if step and one else None
     check("c=1: ITL p50 steps 8 per step / steps 1", itl_ratio, TARGETS["itl_step_vs_steps1_at_1"], False)
+    merge = served.get("steps8_merge", {}).get(1)
+    merge_itl = merge["itl_ms"]["p50"] / step["itl_ms"]["p50"] if merge and step else None
+    check("c=1: ITL p50 steps 8 merge / per step", merge_itl, TARGETS["itl_merge_vs_step_at_1"], False)
     for config in results["served"]:
         check(f"start to READY (s), {config['label']}", config["ready_seconds"], TARGETS["ready_seconds"], False)
         check(
