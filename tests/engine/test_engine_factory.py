@@ -132,3 +132,40 @@ def test_a_served_engine_leaves_a_core_unless_the_user_chose_threads(monkeypatch
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3")
     assert engine_factory.serving_torch_threads() is None
+
+
+def test_a_compute_bound_model_gets_every_core(monkeypatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)))
+    small, large = 5_000_000, engine_factory.FORWARD_BOUND_PARAMETERS
+    assert engine_factory.serving_torch_threads(small) == 7
+    assert engine_factory.serving_torch_threads(large) == 8
+    assert engine_factory.serving_torch_threads(None) == 7  # size unknown: the response path keeps its core
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert engine_factory.serving_torch_threads(large) is None  # the user's choice wins
+
+
+def test_the_loop_applies_a_thread_policy_chosen_from_the_built_engine(demo_path: str) -> None:
+    """The demo model (~5M parameters) leaves a core; the count is what the engine thread runs with."""
+    import torch
+
+    from triton_vllm_multistep.engine.loop import EngineLoop, model_parameters
+
+    chosen: list[int | None] = []
+
+    def policy(engine) -> int | None:
+        parameters = model_parameters(engine)
+        assert parameters is not None and 1_000_000 < parameters < engine_factory.FORWARD_BOUND_PARAMETERS
+        chosen.append(1)
+        return 1
+
+    before = torch.get_num_threads()
+    loop = EngineLoop(lambda: build_engine(_args(demo_path, steps=4), stream_mode="step"), policy)
+    try:
+        loop.start_engine()
+        assert chosen == [1] and loop.torch_threads == 1
+    finally:
+        loop.stop()
+        loop.engine.model_executor.shutdown()
+        torch.set_num_threads(before)

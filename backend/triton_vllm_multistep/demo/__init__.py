@@ -1,2 +1,1 @@
-"""Demo models built locally, deterministically, with no model hub (`models`: `demo://NAME`).
-"""
+"""Demo models built locally, deterministically, with no model hub (`models`: `demo://NAME`)."""

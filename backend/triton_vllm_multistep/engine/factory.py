@@ -105,16 +105,27 @@ def preload_model_classes(engine_args: EngineArgs) -> list[str]:
         return []
 
 
-def serving_torch_threads() -> int | None:
-    """torch threads for a served engine on a CPU host: all cores but one; None = torch's own choice.
+# From this many model parameters on, a CPU decode step is compute-bound (its forward pass takes
+# far longer than building and sending the step's responses), so the served engine gets every
+# core. Measured on this project's two regimes, 2-core host, served vs Triton's vLLM backend on
+# the same engine: the 5M-parameter demo model decodes faster with 1 torch thread than with 2 under
+# serving load (the response path dominates); SmolLM2-135M reached 0.82x of the peer with 1 thread
+# and 1.00-1.01x with 2 at 32 streams. FLOPs per token are ~2x the parameters, so the threshold
+# sits where a token's forward pass (~60 MFLOP: several ms on one core) dwarfs its response (~0.1 ms).
+FORWARD_BOUND_PARAMETERS = 30_000_000
+
+
+def serving_torch_threads(model_parameters: int | None = None) -> int | None:
+    """torch threads for a served engine on a CPU host; None = torch's own choice.
 
     A served engine shares the host with the threads that build and send each response (the
     responder, Triton's frontend and gRPC threads, often the clients too). torch's OpenMP threads
     meet at a barrier after every operator, so when any of them is descheduled for one of those
-    threads, every operator of the forward pass waits for it: on a 2-core host, 2 torch threads
-    under serving load decode slower than 1 (measured per step and per window, 1 to 64 streams;
-    see the README's Performance section). None when the user chose a thread count
-    (OMP_NUM_THREADS, VLLM_CPU_OMP_THREADS_BIND), on GPU hosts and on one core.
+    threads, every operator of the forward pass waits for it: for a small model (response path
+    dominant) all cores but one decode faster than all cores (measured per step and per window,
+    1 to 64 streams; docs/performance.md). A model of FORWARD_BOUND_PARAMETERS or more is
+    compute-bound and gets every core. None when the user chose a thread count (OMP_NUM_THREADS,
+    VLLM_CPU_OMP_THREADS_BIND: theirs wins), on GPU hosts and on one core.
     """
     from vllm.platforms import current_platform
 
@@ -123,7 +134,11 @@ def serving_torch_threads() -> int | None:
     if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "all") != "all":
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores - 1 if cores >= 2 else None
+    if cores < 2:
+        return None
+    if model_parameters is not None and model_parameters >= FORWARD_BOUND_PARAMETERS:
+        return cores
+    return cores - 1
 
 
 def build_engine(engine_args: EngineArgs, *, stream_mode: StreamMode = "step") -> LLMEngine:

@@ -38,6 +38,12 @@ def driver_model(engine: LLMEngine):
     return model if hasattr(model, "register_forward_hook") else None
 
 
+def model_parameters(engine: LLMEngine) -> int | None:
+    """Parameters of the driver worker's model (its shard under tensor parallel), or None if not found."""
+    model = driver_model(engine)
+    return None if model is None else sum(p.numel() for p in model.parameters())
+
+
 def module_hooks_time_the_forward_pass(engine: LLMEngine) -> bool:
     """Whether torch module hooks around the driver model measure its forward pass: on CPU only.
 
@@ -111,7 +117,11 @@ class EngineLoop:
     in the thread that runs it too.
     """
 
-    def __init__(self, build: Callable[[], LLMEngine], torch_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        build: Callable[[], LLMEngine],
+        torch_threads: int | None | Callable[[LLMEngine], int | None] = None,
+    ) -> None:
         self._build = build
         self._torch_threads = torch_threads
         self._engine: LLMEngine | None = None
@@ -268,8 +278,10 @@ class EngineLoop:
             # Applied last, so the count the engine runs with is ours whatever the build did to
             # torch's (vLLM's multiprocessing executor sets it to 1 when OMP_NUM_THREADS is unset;
             # on CPU, vLLM's platform sets OMP_NUM_THREADS from torch's count first).
-            if self._torch_threads is not None:
-                torch.set_num_threads(self._torch_threads)
+            # A callable chooses from the built engine (e.g. by its model's size).
+            threads = self._torch_threads(self._engine) if callable(self._torch_threads) else self._torch_threads
+            if threads is not None:
+                torch.set_num_threads(threads)
             self.torch_threads = torch.get_num_threads()
         except BaseException as error:
             self._build_error = error

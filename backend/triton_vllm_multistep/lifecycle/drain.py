@@ -43,6 +43,7 @@ from triton_vllm_multistep.lifecycle.triton_command import TritonCommand, exit_t
 
 logger = logging.getLogger("triton_vllm_multistep")
 
+
 def drain_seconds(configured: float | None, exit_timeout: float) -> float:
     """How long requests in flight may run on after the unload began."""
     if configured is not None:

@@ -81,7 +81,7 @@ class ModelServer:
 
     def __init__(self, pb_utils: Any, args: dict[str, str]) -> None:
         from triton_vllm_multistep.engine.factory import EngineBuildError, build_engine, serving_torch_threads
-        from triton_vllm_multistep.engine.loop import EngineLoop
+        from triton_vllm_multistep.engine.loop import EngineLoop, model_parameters
         from triton_vllm_multistep.engine.warmup import warmed_up
         from triton_vllm_multistep.stub.responder import Responder
 
@@ -106,7 +106,10 @@ class ModelServer:
         )
         # The stub is a child of tritonserver: its command line says how it runs.
         self._server_command = triton_command.of_process(os.getppid())
-        torch_threads = serving_torch_threads()
+
+        def torch_threads(engine: Any) -> int | None:
+            return serving_torch_threads(model_parameters(engine))
+
         # Warmed up in the engine thread: a setting that would fail the first request fails the load.
         engine_mode = config.engine_stream_mode(self.settings.stream_mode)
         self.loop = EngineLoop(

@@ -26,6 +26,7 @@ from triton_vllm_multistep.testing.pbtxt import pbtxt_string_parameters
 NO_GPU_MESSAGE = "no CUDA device: this script is for GPU hosts (--cpu runs the same checks on the CPU engine)"
 WAIT_SECONDS = 120.0  # per wait for an engine event; a healthy engine answers in well under a second
 
+
 @dataclass
 class Check:
     name: str
