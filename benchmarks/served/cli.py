@@ -38,7 +38,14 @@ from pathlib import Path
 
 from benchmarks.served import report, servers
 from benchmarks.served.offline import OfflineEngines
-from benchmarks.served.settings import CONFIGS, DEFAULT_MODEL_REFERENCE, KV_CACHE_GIB, RESULTS_DIR
+from benchmarks.served.settings import (
+    CONFIGS,
+    DEFAULT_MODEL_REFERENCE,
+    KV_CACHE_GIB,
+    RESULTS_DIR,
+    SHARED_PREFIX,
+    shared_system_prompt,
+)
 
 
 def model_reference(value: str) -> str:
@@ -62,7 +69,16 @@ def main() -> None:
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None)
+    parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        metavar="WORDS",
+        help="the shared-prefix run instead: every prompt starts with the same system prompt of about WORDS "
+        "words; served with prefix caching off and on (time to first token); no offline engines; "
+        "output served_prefix.json",
+    )
     parser.add_argument("--wave-scale", type=float, default=1.0, help="scales the number of waves per level")
     parser.add_argument("--quick", action="store_true", help="concurrency 1 and 32 only, fewer waves")
     parser.add_argument(
@@ -82,8 +98,14 @@ def main() -> None:
         args.concurrency = [1]
         args.max_tokens = 8
         args.wave_scale = 0.0  # the minimum: 2 waves
+    if args.configs is None:
+        args.configs = [name for name, config in CONFIGS.items() if config.prefix_run == bool(args.shared_prefix)]
     if args.output is None:
-        args.output = RESULTS_DIR / ("served-smoke.json" if args.smoke else "served.json")
+        name = "served_prefix" if args.shared_prefix else "served"
+        args.output = RESULTS_DIR / (f"{name}-smoke.json" if args.smoke else f"{name}.json")
+    if args.shared_prefix:
+        run_shared_prefix(args)
+        return
     from triton_vllm_multistep.demo import models as demo_models
 
     demo_models.resolve(args.model)  # builds a demo model before anything times its load
@@ -124,3 +146,35 @@ def main() -> None:
     args.output.with_suffix(".md").write_text(table + "\n")
     print(table)
     print(f"written to {args.output} (and .md, .png) in {results['wall_seconds']:.0f} s")
+
+
+def run_shared_prefix(args: argparse.Namespace) -> None:
+    """Prefix caching's gain where chat traffic has it: every request shares the system prompt."""
+    from transformers import AutoTokenizer
+
+    from triton_vllm_multistep.demo import models as demo_models
+
+    SHARED_PREFIX["text"] = shared_system_prompt(args.shared_prefix)
+    tokenizer = AutoTokenizer.from_pretrained(str(demo_models.resolve(args.model)))
+    prefix_tokens = len(tokenizer(SHARED_PREFIX["text"]).input_ids)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="served-bench-") as tmp:
+        served = servers.run_served(
+            args.configs, args.concurrency, args.max_tokens, args.wave_scale, Path(tmp), args.model, None
+        )
+    results = {
+        "model": args.model,
+        "max_tokens": args.max_tokens,
+        "shared_prefix_words": args.shared_prefix,
+        "shared_prefix_tokens": prefix_tokens,
+        "cpu_count": os.cpu_count(),
+        "command": " ".join(["python -m benchmarks.served_bench", *sys.argv[1:]]),
+        "served": served,
+        "wall_seconds": time.monotonic() - started,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=1) + "\n")
+    table = report.format_prefix_table(results)
+    args.output.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    print(f"written to {args.output} (and .md) in {results['wall_seconds']:.0f} s")

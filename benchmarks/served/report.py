@@ -90,7 +90,7 @@ def annotate(results: dict[str, Any]) -> None:
             TARGETS["steps8_merge_vs_window"],
             True,
         )
-    for name in CONFIGS:
+    for name in [config["name"] for config in results["served"]]:
         level = served.get(name, {}).get(1)
         check(
             f"c=1: TTFT p50 (ms), {CONFIGS[name].label}",
@@ -223,3 +223,31 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def format_prefix_table(results: dict[str, Any]) -> str:
+    """The shared-prefix run: time to first token and throughput with prefix caching off and on."""
+    lines = [
+        f"Every prompt starts with the same {results['shared_prefix_tokens']}-token system prompt; "
+        f"{results['max_tokens']} tokens out, greedy.",
+        "",
+        "| configuration | streams | TTFT p50/p90 ms | tok/s | ITL p50 ms |",
+        "|---|---|---|---|---|",
+    ]
+    by_name = {config["name"]: {lvl["concurrency"]: lvl for lvl in config["levels"]} for config in results["served"]}
+    for config in results["served"]:
+        for level in config["levels"]:
+            ttft = level["ttft_ms"]
+            lines.append(
+                f"| {config['label']} | {level['concurrency']} | {ttft['p50']:.1f}/{ttft['p90']:.1f} | "
+                f"{level['tokens_per_s']:.0f} | {level['itl_ms']['p50']:.2f} |"
+            )
+    lines += ["", "| streams | TTFT p50 on / off | tok/s on / off |", "|---|---|---|"]
+    for concurrency, off in by_name.get("prefix_off", {}).items():
+        on = by_name.get("prefix_on", {}).get(concurrency)
+        if on:
+            lines.append(
+                f"| {concurrency} | {on['ttft_ms']['p50'] / off['ttft_ms']['p50']:.2f} | "
+                f"{on['tokens_per_s'] / off['tokens_per_s']:.2f} |"
+            )
+    return "\n".join(lines)

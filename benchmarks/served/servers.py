@@ -19,8 +19,10 @@ from triton_vllm_multistep.testing import local_server
 from triton_vllm_multistep.testing.local_server import ServerProcess
 
 
-def make_repository(target: Path, steps: int, stream_mode: str, model: str) -> Path:
-    engine = {"num_scheduler_steps": steps, "model": model}
+def make_repository(
+    target: Path, steps: int, stream_mode: str, model: str, engine_fields: dict[str, Any] | None = None
+) -> Path:
+    engine = {"num_scheduler_steps": steps, "model": model, **(engine_fields or {})}
     local_server.copy_model(SOURCE_MODEL, target / MODEL, engine, {"stream_mode": stream_mode})
     return target
 
@@ -62,7 +64,7 @@ def run_served(
         for name in names:
             config = CONFIGS[name]
             label, steps, mode = config.label, config.num_scheduler_steps, config.stream_mode
-            repository = make_repository(workdir / name, steps, mode, model)
+            repository = make_repository(workdir / name, steps, mode, model, config.engine)
             server, ready = start_server(repository, workdir / f"{name}.log")
             servers[name] = server
             print(f"{label}: READY after {ready:.1f} s", flush=True)

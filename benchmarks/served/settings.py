@@ -6,7 +6,7 @@ Owns the constants every part shares and reading `targets.toml`; must not run an
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,8 @@ class Config:
     label: str
     num_scheduler_steps: int
     stream_mode: str
+    engine: dict[str, Any] = field(default_factory=dict)  # model.json fields on top of the shipped ones
+    prefix_run: bool = False  # measured by the shared-prefix run (--shared-prefix), not the main one
 
 
 _TABLES = tomllib.loads((Path(__file__).with_name("targets.toml")).read_text())
@@ -42,9 +44,20 @@ TARGETS: dict[str, float] = {k: v for k, v in _TABLES["targets"].items() if k !=
 TARGET_CONCURRENCY: int = _TABLES["targets"]["concurrency"]
 
 
+# What every prompt starts with in the shared-prefix run (a chat template's system prompt); empty otherwise.
+SHARED_PREFIX = {"text": ""}
+
+
+def shared_system_prompt(words: int) -> str:
+    """A system prompt of about `words` words (~1.3 tokens each), the same for every request."""
+    sentence = "you are a careful assistant who answers briefly and politely in plain words "
+    count = max(1, words // len(sentence.split()))
+    return "system: " + sentence * count + "\nuser: "
+
+
 def prompt(i: int) -> str:
-    """Distinct prompts of similar length."""
-    return f"request {i}: {PROMPTS[i % len(PROMPTS)]}"
+    """Distinct prompts of similar length (after the shared prefix, in the shared-prefix run)."""
+    return f"{SHARED_PREFIX['text']}request {i}: {PROMPTS[i % len(PROMPTS)]}"
 
 
 def engine_json(steps: int, model: str) -> dict[str, Any]:
