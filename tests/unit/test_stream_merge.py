@@ -13,7 +13,7 @@ from vllm.sequence import Logprob
 from triton_vllm_multistep.engine.events import EngineDied, StepOutputs
 from triton_vllm_multistep.stub.codec import GenerationRequest
 from triton_vllm_multistep.stub.responder import EndRequests, RequestState, Responder
-from triton_vllm_multistep.stub.stream_merge import merge_deltas
+from triton_vllm_multistep.stub.stream_merge import AdaptiveInterval, merge_deltas
 from triton_vllm_multistep.testing.polling import wait_for
 
 
@@ -133,3 +133,30 @@ def test_held_outputs_go_out_before_the_error_of_a_drain_or_engine_failure() -> 
         assert stream.texts() == ["t0 t1 t2 "]
         (error,) = [r for r in stream.sender.responses() if r.has_error()]
         assert stream.sender.sent[-1][0] is error and stream.sender.finals == 1
+
+
+def test_the_adaptive_interval_stays_1_while_responses_are_cheap_next_to_the_step() -> None:
+    pace = AdaptiveInterval(budget=0.25, max_interval=16)
+    assert pace.interval(32) == 1  # nothing measured yet
+    for _ in range(20):
+        pace.observe(responses=1, send_seconds=0.0001, step_seconds=0.004)  # 1 stream: 2.5% of the step
+    assert pace.interval(1) == 1
+
+
+def test_the_adaptive_interval_merges_enough_steps_to_bring_the_cost_within_budget() -> None:
+    pace = AdaptiveInterval(budget=0.25, max_interval=16)
+    for _ in range(50):
+        pace.observe(responses=32, send_seconds=32 * 0.0003, step_seconds=0.012)
+    # 32 responses x 0.3 ms = 9.6 ms per step against a 3 ms budget (25% of 12 ms): 4 steps each.
+    assert pace.interval(32) == 4
+    assert pace.interval(64) == 7
+    assert pace.interval(10_000) == 16  # never beyond the queue's bound
+    assert pace.interval(1) == 1
+
+
+def test_one_slow_send_does_not_change_the_pace() -> None:
+    pace = AdaptiveInterval(budget=0.25, max_interval=16)
+    for _ in range(50):
+        pace.observe(responses=8, send_seconds=8 * 0.0001, step_seconds=0.01)
+    pace.observe(responses=8, send_seconds=0.05, step_seconds=0.01)  # a GC pause
+    assert pace.interval(8) <= 2

@@ -18,7 +18,7 @@ from typing import Any
 from triton_vllm_multistep.engine.events import EngineDied, EngineEvent, RequestFailed, StepOutputs
 from triton_vllm_multistep.lifecycle.protocol import ENSEMBLE_CATCH_UP_SECONDS
 from triton_vllm_multistep.stub import codec, triton_io
-from triton_vllm_multistep.stub.stream_merge import merge_deltas
+from triton_vllm_multistep.stub.stream_merge import AdaptiveInterval, merge_deltas
 
 logger = logging.getLogger(__name__)
 CANCEL_SWEEP_SECONDS = 0.05
@@ -172,6 +172,8 @@ class Responder:
         # engine steps are queued, and go out as one response once the thread has caught up.
         self._stream_interval = stream_interval
         self._merge_when_behind = merge_when_behind
+        self._adaptive = AdaptiveInterval(max_interval=max_queued_steps) if merge_when_behind else None
+        self._merged_interval = 1  # the merge mode's steps per response for the step being handled
         self._holding: set[str] = set()  # requests with held outputs
         self._abort = abort
         self._observer = observer
@@ -313,6 +315,8 @@ class Responder:
                 self.after_engine_death(event.message)
 
     def _send_outputs(self, event: StepOutputs) -> None:
+        if self._adaptive is not None:
+            self._merged_interval = self._adaptive.interval(len(event.outputs))
         due: list[tuple[str, Any, RequestState]] = []
         for output in event.outputs:
             state = self._states.get(output.request_id)
@@ -332,7 +336,7 @@ class Responder:
         self._send(due, event)
 
     def _interval(self, state: RequestState) -> int:
-        return state.request.stream_interval or self._stream_interval
+        return max(state.request.stream_interval or self._stream_interval, self._merged_interval)
 
     def _hold_or_release(self, output: Any, state: RequestState) -> Any:
         """The output to send now for a streamed request (its held outputs merged in), or None to hold it."""
@@ -366,6 +370,7 @@ class Responder:
 
     def _send(self, due: list[tuple[str, Any, RequestState]], event: StepOutputs | None) -> None:
         """Encode and send one response per entry; a finished output's response is its request's FINAL."""
+        started = time.perf_counter()
         ready: list[tuple[Any, RequestState, Any, bool]] = []
         for request_id, output, state in due:
             finished = output.finished
@@ -394,6 +399,8 @@ class Responder:
                     with self._lock:
                         self._states.pop(output.request_id, None)
                     self._holding.discard(output.request_id)
+        if self._adaptive is not None and event is not None:
+            self._adaptive.observe(len(ready), time.perf_counter() - started, event.step_seconds)
         if self._observer is not None and event is not None:
             self._observer.on_step(event, time.perf_counter())
 
