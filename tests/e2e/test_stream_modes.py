@@ -9,7 +9,6 @@ Owns the served check of the response modes; the holding/merging rules themselve
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,10 +77,10 @@ def test_stream_interval_sets_how_many_steps_a_response_carries(modes_server: Se
     assert [len(r["output_ids"]) for r in step.data_responses] == [1] * TOKENS  # one response per step
     every_3 = _stream(modes_server, EVERY_3, prompt, GREEDY)
     sizes = [len(r["output_ids"]) for r in every_3.data_responses]
-    assert len(sizes) == math.ceil(TOKENS / 3) and set(sizes[:-1]) == {3}, sizes
+    assert sizes == [1] + [3] * 13, sizes  # the first token at once, then 3 steps per response (40 tokens)
     # The request's own interval wins over the model's.
     own = _stream(modes_server, EVERY_3, prompt, {**GREEDY, "stream_interval": 8})
-    assert [len(r["output_ids"]) for r in own.data_responses] == [8] * (TOKENS // 8)
+    assert [len(r["output_ids"]) for r in own.data_responses] == [1, 8, 8, 8, 8, 7]
     text = "".join(
         e["text_output"]
         for e in http_generate(

@@ -345,6 +345,8 @@ class Responder:
                 return output  # the per-step contract: nothing to merge, nothing to hold
         state.held = output if state.held is None else merge_deltas(state.held, output)
         state.held_outputs += 1
+        if state.first:
+            return self._release(output.request_id, state)  # the first token is never held (time to first token)
         behind = self._merge_when_behind and self._events.queued_steps() > 0
         if not output.finished and (
             state.held_outputs < self._interval(state) or (behind and state.held_outputs < self._events.max_steps)
