@@ -372,7 +372,9 @@ class Responder:
 
     def _send(self, due: list[tuple[str, Any, RequestState]], event: StepOutputs | None) -> None:
         """Encode and send one response per entry; a finished output's response is its request's FINAL."""
-        started = time.perf_counter()
+        # CPU time of this thread, not wall time: a send also waits for tritonserver's answer, and
+        # that wait costs the engine nothing; building and sending responses does (cores, GIL).
+        started = time.thread_time()
         ready: list[tuple[Any, RequestState, Any, bool]] = []
         for request_id, output, state in due:
             finished = output.finished
@@ -402,7 +404,7 @@ class Responder:
                         self._states.pop(output.request_id, None)
                     self._holding.discard(output.request_id)
         if self._adaptive is not None and event is not None:
-            self._adaptive.observe(len(ready), time.perf_counter() - started, event.step_seconds)
+            self._adaptive.observe(len(ready), time.thread_time() - started, event.step_seconds)
         if self._observer is not None and event is not None:
             self._observer.on_step(event, time.perf_counter())
 

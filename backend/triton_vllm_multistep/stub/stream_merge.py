@@ -62,8 +62,10 @@ OUTLIER_FACTOR = 4.0
 class AdaptiveInterval:
     """Engine outputs per response in the "merge" stream mode, from what responses cost.
 
-    Sending a response costs host time (encoding, the IPC to tritonserver, gRPC there) on the
-    same cores, and under the same GIL, as the engine's scheduling and pythonization. One
+    Sending a response costs host CPU time (encoding, the IPC to tritonserver, gRPC there) on the
+    same cores, and under the same GIL, as the engine's scheduling and pythonization (the
+    responder measures its own thread's CPU time: waiting for tritonserver's answer costs the
+    engine nothing). One
     response per stream per step is kept while that cost stays within `budget` of the engine's
     step time; beyond it, each stream's steps are merged `k` at a time, the smallest `k` that
     brings the cost back within budget (at most `max_interval`). Both figures are moving
@@ -71,7 +73,7 @@ class AdaptiveInterval:
     stays 1: per-step latency is untouched where the response path keeps up.
     """
 
-    def __init__(self, budget: float = 0.25, max_interval: int = 16, smoothing: float = 0.2) -> None:
+    def __init__(self, budget: float = 0.05, max_interval: int = 16, smoothing: float = 0.2) -> None:
         self.budget = budget
         self.max_interval = max_interval
         self._smoothing = smoothing
