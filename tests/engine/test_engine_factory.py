@@ -169,3 +169,18 @@ def test_the_loop_applies_a_thread_policy_chosen_from_the_built_engine(demo_path
         loop.stop()
         loop.engine.model_executor.shutdown()
         torch.set_num_threads(before)
+
+
+def test_the_users_choice_is_read_before_the_build_sets_omp_num_threads(demo_path: str, monkeypatch) -> None:
+    """vLLM's CPU platform sets OMP_NUM_THREADS while building: read after the build, it would look
+    like the user's choice and the policy would never apply."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "")  # recorded, so what vLLM sets below is undone after the test
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(4)))
+    before_build = engine_factory.thread_choice_of_user()
+    cpu_multistep_config(_args(demo_path), stream_mode="step")
+    assert os.environ.get("OMP_NUM_THREADS")  # what vLLM did
+    assert engine_factory.serving_torch_threads(5_000_000) is None  # the environment alone misleads
+    assert engine_factory.serving_torch_threads(5_000_000, before_build) == 3
+    assert engine_factory.serving_torch_threads(engine_factory.FORWARD_BOUND_PARAMETERS, before_build) == 4

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Mapping
 
 os.environ.setdefault("VLLM_USE_V1", "0")
 
@@ -115,7 +116,19 @@ def preload_model_classes(engine_args: EngineArgs) -> list[str]:
 FORWARD_BOUND_PARAMETERS = 30_000_000
 
 
-def serving_torch_threads(model_parameters: int | None = None) -> int | None:
+# The environment variables by which a user chooses the engine's threads (theirs always win).
+THREAD_ENVIRONMENT = ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")
+
+
+def thread_choice_of_user() -> dict[str, str | None]:
+    """The user's thread settings, read before the engine is built: vLLM's CPU platform sets
+    OMP_NUM_THREADS itself while it builds the config, after which its value says nothing of the user."""
+    return {name: os.environ.get(name) for name in THREAD_ENVIRONMENT}
+
+
+def serving_torch_threads(
+    model_parameters: int | None = None, environment: Mapping[str, str | None] | None = None
+) -> int | None:
     """torch threads for a served engine on a CPU host; None = torch's own choice.
 
     A served engine shares the host with the threads that build and send each response (the
@@ -125,13 +138,15 @@ def serving_torch_threads(model_parameters: int | None = None) -> int | None:
     dominant) all cores but one decode faster than all cores (measured per step and per window,
     1 to 64 streams; docs/performance.md). A model of FORWARD_BOUND_PARAMETERS or more is
     compute-bound and gets every core. None when the user chose a thread count (OMP_NUM_THREADS,
-    VLLM_CPU_OMP_THREADS_BIND: theirs wins), on GPU hosts and on one core.
+    VLLM_CPU_OMP_THREADS_BIND: theirs wins; `environment` is what thread_choice_of_user() read
+    before the build, os.environ if not given), on GPU hosts and on one core.
     """
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu() or os.environ.get("OMP_NUM_THREADS"):
+    environment = os.environ if environment is None else environment
+    if not current_platform.is_cpu() or environment.get("OMP_NUM_THREADS"):
         return None
-    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "all") != "all":
+    if (environment.get("VLLM_CPU_OMP_THREADS_BIND") or "all") != "all":
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if cores < 2:

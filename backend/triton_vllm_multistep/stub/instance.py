@@ -80,7 +80,12 @@ class ModelServer:
     """Everything one Triton model instance runs."""
 
     def __init__(self, pb_utils: Any, args: dict[str, str]) -> None:
-        from triton_vllm_multistep.engine.factory import EngineBuildError, build_engine, serving_torch_threads
+        from triton_vllm_multistep.engine.factory import (
+            EngineBuildError,
+            build_engine,
+            serving_torch_threads,
+            thread_choice_of_user,
+        )
         from triton_vllm_multistep.engine.loop import EngineLoop, model_parameters
         from triton_vllm_multistep.engine.warmup import warmed_up
         from triton_vllm_multistep.stub.responder import Responder
@@ -107,8 +112,10 @@ class ModelServer:
         # The stub is a child of tritonserver: its command line says how it runs.
         self._server_command = triton_command.of_process(os.getppid())
 
+        user_threads = thread_choice_of_user()  # before the build: vLLM sets OMP_NUM_THREADS during it
+
         def torch_threads(engine: Any) -> int | None:
-            return serving_torch_threads(model_parameters(engine))
+            return serving_torch_threads(model_parameters(engine), user_threads)
 
         # Warmed up in the engine thread: a setting that would fail the first request fails the load.
         engine_mode = config.engine_stream_mode(self.settings.stream_mode)
