@@ -9,6 +9,7 @@ Owns the served check of the response modes; the holding/merging rules themselve
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -119,3 +120,13 @@ def test_a_bad_stream_interval_fails_that_request_alone(modes_server: ServerProc
     assert result.finals == 1 and result.error is not None
     assert "sampling_parameters.stream_interval must be an integer between 1 and 1024, got 0" in result.error
     assert _stream(modes_server, STEP, "hi", GREEDY).token_ids()
+
+
+def test_the_small_demo_model_is_served_with_a_core_left_for_the_response_path(modes_server: ServerProcess) -> None:
+    """The thread policy through the real stub (vLLM sets OMP_NUM_THREADS while building: the
+    policy must still apply). The demo model is far below FORWARD_BOUND_PARAMETERS."""
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2 or os.environ.get("OMP_NUM_THREADS") or os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        pytest.skip("the policy leaves a core only on 2+ cores without a user thread setting")
+    log = modes_server.log_path.read_text(errors="replace")
+    assert log.count(f"torch threads {cores - 1},") == 3, [line for line in log.splitlines() if "torch threads" in line]
