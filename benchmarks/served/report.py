@@ -17,9 +17,12 @@ def annotate(results: dict[str, Any]) -> None:
     offline = results["offline"]["llm_generate"]
     ceilings = {c: max(offline[s][c] for s in offline) for c in offline["1"]}
     results["ceiling_tokens_per_s"] = ceilings
-    # The served engine runs torch on all cores but one: the offline figure at that thread count too.
+    # The offline figure at the thread count the served engines ran with (their log says it; the
+    # thread policy follows the model's size), else at the smallest measured.
     by_threads = results["offline"].get("llm_generate_by_threads") or {}
-    served_threads = str(min(results["offline"].get("torch_threads") or [0]))
+    logged = {config.get("torch_threads") for config in results["served"]} - {None}
+    served_threads = str(min(logged) if logged else min(results["offline"].get("torch_threads") or [0]))
+    results["served_torch_threads"] = int(served_threads)
     same_threads = {
         c: max(by_threads[s][served_threads][c] for s in by_threads)
         for c in ceilings

@@ -8,6 +8,7 @@ must not generate load itself (`load`) or judge results (`report`).
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,13 @@ def start_server(repository: Path, log_path: Path) -> tuple[ServerProcess, float
     return local_server.start_ready_server(
         repository, log_path, env={"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}, poll=0.05, attempts=3
     )
+
+
+def logged_torch_threads(server: ServerProcess) -> int | None:
+    """The torch threads the served engine runs with, from the model's ready line in the server log."""
+    log = server.log_path.read_text(errors="replace")
+    found = re.findall(r"ready: num_scheduler_steps=.*?torch threads (\d+)", log)
+    return int(found[-1]) if found else None
 
 
 def memory_of(server: ServerProcess) -> dict[str, float]:
@@ -75,6 +83,7 @@ def run_served(
                 "num_scheduler_steps": steps,
                 "stream_mode": mode,
                 "ready_seconds": ready,
+                "torch_threads": logged_torch_threads(server),
                 "idle_memory": memory_of(server),
                 "levels": [],
             }
