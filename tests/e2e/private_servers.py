@@ -6,15 +6,17 @@ and finding the server's Python-backend stub processes; knows nothing about what
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import requests
 from served_models import REAL_MODEL, TINY_ENGINE, TINY_MODEL
 
-from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model
+from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, start_server
 from triton_vllm_multistep.testing.polling import wait_for
 
 __all__ = [
@@ -75,3 +77,14 @@ def model_ready(server: ServerProcess, model: str) -> bool:
         return requests.get(f"{server.http_url}/v2/models/{model}/ready", timeout=5).status_code == 200
     except requests.RequestException:
         return False
+
+
+@contextlib.contextmanager
+def serving(repository: Path, log_path: Path, *server_args: str) -> Iterator[ServerProcess]:
+    """A private server on `repository`, READY, stopped (drained) on the way out: a module fixture's body."""
+    server = start_server(repository, log_path, *server_args)
+    try:
+        server.wait_ready(timeout=600)
+        yield server
+    finally:
+        server.stop()

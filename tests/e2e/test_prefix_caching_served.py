@@ -10,10 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from private_servers import make_repository, metric, scrape, wait_for
+from private_servers import make_repository, metric, scrape, serving, wait_for
 from triton_clients import grpc_generate
 
-from triton_vllm_multistep.testing.local_server import ServerProcess, start_server
+from triton_vllm_multistep.testing.local_server import ServerProcess
 
 PLAIN = "llm_plain"
 CACHED = "llm_prefix_cached"
@@ -26,12 +26,8 @@ HIT_RATE = "vllm:gpu_prefix_cache_hit_rate"
 def prefix_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> Iterator[ServerProcess]:
     root: Path = tmp_path_factory.mktemp("prefix_caching")
     repository = make_repository(root, {PLAIN: {}, CACHED: {"engine": {"enable_prefix_caching": True}}})
-    server = start_server(repository, root / "tritonserver.log")
-    try:
-        server.wait_ready(timeout=600)
+    with serving(repository, root / "tritonserver.log") as server:
         yield server
-    finally:
-        server.stop()
 
 
 def _generate(server: ServerProcess, model: str, question: str, seeded: bool) -> list[int]:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-from private_servers import make_repository
+from private_servers import make_repository, serving
 from served_models import LLM_MODEL, REAL_MODEL, SHIPPED_REPOSITORY
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from triton_clients import StreamResult, grpc_generate, make_inputs
@@ -66,12 +66,8 @@ def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
     repository = root / "repository"
     shutil.copytree(SHIPPED_REPOSITORY, repository)
     copy_model(repository / LLM_MODEL, repository / STEPS1, {"num_scheduler_steps": 1})
-    server = start_server(repository, root / "tritonserver.log")
-    try:
-        server.wait_ready(timeout=600)
+    with serving(repository, root / "tritonserver.log") as server:
         yield server
-    finally:
-        server.stop()
 
 
 def served(server: ServerProcess, ids: list[int], sampling: dict, model: str = LLM_MODEL, **flags) -> StreamResult:

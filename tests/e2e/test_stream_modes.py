@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import tritonclient.grpc.aio as grpcaio
-from private_servers import make_repository
+from private_servers import make_repository, serving
 from triton_clients import StreamResult, aio_generate, grpc_generate, http_generate
 
-from triton_vllm_multistep.testing.local_server import ServerProcess, start_server
+from triton_vllm_multistep.testing.local_server import ServerProcess
 
 STEP = "llm_step"
 MERGE = "llm_merge"
@@ -40,12 +40,8 @@ def modes_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dic
             EVERY_3: {"parameters": {"stream_interval": "3"}},
         },
     )
-    server = start_server(repository, root / "tritonserver.log")
-    try:
-        server.wait_ready(timeout=600)
+    with serving(repository, root / "tritonserver.log") as server:
         yield server
-    finally:
-        server.stop()
 
 
 def _whole(server: ServerProcess, model: str, prompt: str, sampling: dict) -> list[int]:
