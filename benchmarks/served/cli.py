@@ -138,14 +138,7 @@ def main() -> None:
     }
     report.annotate(results)
     results["wall_seconds"] = time.monotonic() - started
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=1) + "\n")
-    chart = args.output.with_suffix(".png")
-    report.plot(results, chart)
-    table = report.format_table(results)
-    args.output.with_suffix(".md").write_text(table + "\n")
-    print(table)
-    print(f"written to {args.output} (and .md, .png) in {results['wall_seconds']:.0f} s")
+    write_results(args.output, results, report.format_table(results), chart=True)
 
 
 def run_shared_prefix(args: argparse.Namespace) -> None:
@@ -172,9 +165,16 @@ def run_shared_prefix(args: argparse.Namespace) -> None:
         "served": served,
         "wall_seconds": time.monotonic() - started,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=1) + "\n")
-    table = report.format_prefix_table(results)
-    args.output.with_suffix(".md").write_text(table + "\n")
+    write_results(args.output, results, report.format_prefix_table(results), chart=False)
+
+
+def write_results(output: Path, results: dict, table: str, chart: bool) -> None:
+    """The figures as JSON, the table as Markdown beside them (and the chart), and the table printed."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=1) + "\n")
+    if chart:
+        report.plot(results, output.with_suffix(".png"))
+    output.with_suffix(".md").write_text(table + "\n")
     print(table)
-    print(f"written to {args.output} (and .md) in {results['wall_seconds']:.0f} s")
+    written = "(and .md, .png)" if chart else "(and .md)"
+    print(f"written to {output} {written} in {results['wall_seconds']:.0f} s")

@@ -49,7 +49,7 @@ SHARED_PREFIX = {"text": ""}
 
 
 def shared_system_prompt(words: int) -> str:
-    """A system prompt of about `words` words (~1.3 tokens each), the same for every request."""
+    """A system prompt of about `words` words, the same for every request (its token count is measured)."""
     sentence = "you are a careful assistant who answers briefly and politely in plain words "
     count = max(1, words // len(sentence.split()))
     return "system: " + sentence * count + "\nuser: "

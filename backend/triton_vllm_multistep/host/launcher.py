@@ -309,16 +309,16 @@ def _drain_then_stop(process: subprocess.Popen, drain_file: Path, exit_timeout: 
     except Exception as error:  # the stop must go on: Triton then drains what it can itself
         print(f"[triton-vllm-multistep] could not drain the models first: {error}", file=sys.stderr, flush=True)
     else:
-        _report_drain(result)
+        _report_drain(result, process.pid)
     if process.poll() is None and len(stops) == 1:
         process.send_signal(stops[0])
 
 
-def _report_drain(result: DrainResult) -> None:
+def _report_drain(result: DrainResult, server_pid: int) -> None:
     if not result.stubs:
         print(
             f"[triton-vllm-multistep] no {BACKEND_NAME} model instance found among tritonserver's processes "
-            f"({_children_summary(result.server_pid)}): stopping it without draining first",
+            f"({_children_summary(server_pid)}): stopping it without draining first",
             file=sys.stderr,
             flush=True,
         )
@@ -334,9 +334,10 @@ def _report_drain(result: DrainResult) -> None:
 
 def _children_summary(server_pid: int) -> str:
     """What runs below tritonserver, for the log when no instance to drain was found."""
-    found = [
-        f"{pid}: {' '.join(procfs.cmdline(pid)[:1] + procfs.cmdline(pid)[-1:])}" for pid in procfs.children(server_pid)
-    ]
+    found = []
+    for pid in procfs.children(server_pid):
+        argv = procfs.cmdline(pid)
+        found.append(f"{pid}: {' '.join(argv[:1] + argv[-1:])}")
     return "; ".join(found) or "none"
 
 

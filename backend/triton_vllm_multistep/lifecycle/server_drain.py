@@ -25,7 +25,6 @@ from triton_vllm_multistep.lifecycle.protocol import (
 
 @dataclass(frozen=True)
 class DrainResult:
-    server_pid: int
     stubs: list[int]  # this backend's stub processes found in the server
     busy: list[int]  # those that had not marked the drain done (and still ran) when waiting ended
     seconds: float
@@ -79,7 +78,7 @@ def drain_server(
     started = time.monotonic()
     stubs = backend_stub_pids(server_pid, backend_name)
     if not stubs:
-        return DrainResult(server_pid, [], [], 0.0)
+        return DrainResult([], [], 0.0)
     request_drain(drain_file, server_pid)
     deadline = started + timeout
 
@@ -90,4 +89,4 @@ def drain_server(
         time.sleep(0.05)
     if not waiting and any(_drained(drain_file, pid) for pid in stubs):
         time.sleep(settle)  # some instance had streams: let ensembles postprocess their last responses
-    return DrainResult(server_pid, stubs, waiting, time.monotonic() - started)
+    return DrainResult(stubs, waiting, time.monotonic() - started)

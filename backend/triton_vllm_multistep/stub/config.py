@@ -54,8 +54,9 @@ class Limits:
 
 # config.pbtxt `stream_mode`: "step" (one response per decoded step: the engine hands out every
 # step), "window" (one per scheduling window: the engine hands out once per window) and "merge"
-# (the engine hands out every step; a stream's steps still queued when the response thread gets
-# to them go out as one response). `stream_interval` k sends every k-th engine output in any mode.
+# (the engine hands out every step; the response thread sends several of a stream's steps as one
+# response once sending them one by one would cost the engine, see stub/stream_merge.py).
+# `stream_interval` k sends every k-th engine output in any mode.
 ResponseMode = Literal["step", "window", "merge"]
 RESPONSE_MODES: tuple[ResponseMode, ...] = ("step", "window", "merge")
 MAX_STREAM_INTERVAL = 1024
@@ -98,13 +99,15 @@ def _as_bool(name: str, text: str) -> bool:
     raise ConfigError(f"config.pbtxt parameter {name!r} must be true or false, got {text!r}")
 
 
-def _as_int(name: str, text: str, minimum: int = 0) -> int:
+def _as_int(name: str, text: str, minimum: int = 0, maximum: int | None = None) -> int:
     try:
         value = int(text.strip())
     except ValueError:
         raise ConfigError(f"config.pbtxt parameter {name!r} must be an integer, got {text!r}") from None
     if value < minimum:
         raise ConfigError(f"config.pbtxt parameter {name!r} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"config.pbtxt parameter {name!r} must be <= {maximum}, got {value}")
     return value
 
 
@@ -142,10 +145,7 @@ def stream_mode_setting(params: dict[str, str], engine_json: dict[str, Any]) -> 
 
 def stream_interval_setting(params: dict[str, str]) -> int:
     """config.pbtxt `stream_interval`: engine outputs (steps; windows in "window" mode) per response."""
-    interval = _as_int("stream_interval", params.get("stream_interval", "1"), minimum=1)
-    if interval > MAX_STREAM_INTERVAL:
-        raise ConfigError(f"config.pbtxt parameter 'stream_interval' must be <= {MAX_STREAM_INTERVAL}, got {interval}")
-    return interval
+    return _as_int("stream_interval", params.get("stream_interval", "1"), minimum=1, maximum=MAX_STREAM_INTERVAL)
 
 
 def metrics_setting(params: dict[str, str], engine_json: dict[str, Any]) -> bool:

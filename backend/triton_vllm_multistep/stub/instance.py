@@ -93,7 +93,6 @@ class ModelServer:
         self._pb = pb_utils
         model_config = json.loads(args["model_config"])
         self.model_name = args.get("model_name") or model_config["name"]
-        self._unload_requested = False
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise config.ConfigError("model_transaction_policy { decoupled: true } is required: this backend streams")
         model_dir = Path(args["model_repository"])
@@ -201,7 +200,7 @@ class ModelServer:
             {
                 "step": "step",
                 "window": "scheduling window",
-                "merge": "step (a stream's queued steps merged when responses fall behind)",
+                "merge": "step, several steps per response once sending would slow the engine",
             }[self.settings.stream_mode]
             + (f", every {self.settings.stream_interval} engine outputs" if self.settings.stream_interval > 1 else ""),
             self.loop.torch_threads,
@@ -291,9 +290,6 @@ class ModelServer:
         or lost a FINAL. So a client checking readiness the instant it gets its error can still
         find the model ready for a moment (docs/lifecycle.md).
         """
-        if self._unload_requested:
-            return
-        self._unload_requested = True
         if not self.settings.unload_on_engine_failure:
             logger.error(
                 "vllm_multistep: model %s: engine failed (%s); answering UNAVAILABLE", self.model_name, message

@@ -167,9 +167,9 @@ class Responder:
         merge_when_behind: bool = False,
     ) -> None:
         self._pb = pb_utils
-        # Engine outputs per streamed response unless the request sets its own; with
-        # `merge_when_behind` ("merge" stream mode) a stream's outputs are also held while more
-        # engine steps are queued, and go out as one response once the thread has caught up.
+        # Engine outputs per streamed response unless the request sets its own. With
+        # `merge_when_behind` ("merge" stream mode) the interval also follows what responses cost
+        # (AdaptiveInterval), and a stream's outputs are held while more engine steps are queued.
         self._stream_interval = stream_interval
         self._merge_when_behind = merge_when_behind
         self._adaptive = AdaptiveInterval(max_interval=max_queued_steps) if merge_when_behind else None
@@ -340,9 +340,9 @@ class Responder:
 
     def _hold_or_release(self, output: Any, state: RequestState) -> Any:
         """The output to send now for a streamed request (its held outputs merged in), or None to hold it."""
-        if state.held is None and self._stream_interval == 1 and not self._merge_when_behind:
-            if state.request.stream_interval in (None, 1):
-                return output  # the per-step contract: nothing to merge, nothing to hold
+        holds = self._merge_when_behind or self._stream_interval > 1 or (state.request.stream_interval or 1) > 1
+        if state.held is None and not holds:
+            return output  # the per-step contract: nothing to merge, nothing to hold
         state.held = output if state.held is None else merge_deltas(state.held, output)
         state.held_outputs += 1
         if state.first:
