@@ -56,10 +56,11 @@ class Stream:
         request = GenerationRequest([1, 2], None, stream=True, stream_interval=request_interval)
         assert self.responder.register("r", RequestState(sender=self.sender, request=request))
 
-    def post_steps(self, count: int, start: int = 0, last: bool = True) -> None:
+    def post_steps(self, count: int, start: int = 0, last: bool = True, step_seconds: float = 0.001) -> None:
         for i in range(start, start + count):
             finished = last and i == start + count - 1
-            self.responder.post(StepOutputs([delta("r", (0, f"t{i} ", [10 + i]), finished=finished)], 0.001))
+            outputs = [delta("r", (0, f"t{i} ", [10 + i]), finished=finished)]
+            self.responder.post(StepOutputs(outputs, step_seconds))
 
     def texts(self) -> list[str]:
         return [
@@ -105,7 +106,8 @@ def test_merge_mode_sends_per_step_when_it_keeps_up() -> None:
     stream = Stream(merge=True)
     stream.responder.start()
     for i in range(4):
-        stream.post_steps(1, start=i, last=i == 3)
+        # A 10 s engine step: responses are cheap next to it however loaded the machine is.
+        stream.post_steps(1, start=i, last=i == 3, step_seconds=10.0)
         assert wait_for(lambda i=i: len(stream.texts()) == i + 1, 10, interval=0.01)
     stream.responder.stop("stopping")
     assert stream.texts() == ["t0 ", "t1 ", "t2 ", "t3 "] and stream.sender.finals == 1
