@@ -1,7 +1,9 @@
 """Prefix caching with the CPU multi-step engine on the tiny demo model: same outputs with it on and off.
 
 Owns the shared-prefix workload (arrivals inside a running window, an abort, preemption with cached
-blocks) and its comparisons; must not mock vLLM or assert on timings.
+blocks), its comparisons, and a K/V-slot audit: every block the scheduler hands the model runner as
+already computed must hold the sequence's own tokens at their positions. Must not mock vLLM or
+assert on timings.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import pytest
 from vllm import EngineArgs, SamplingParams
+from vllm.forward_context import get_forward_context
 from vllm.sampling_params import RequestOutputKind
 from vllm.transformers_utils.tokenizer import get_tokenizer
 
@@ -96,6 +99,8 @@ class Run:
     preemptions_total: int = 0
     hit_rate_mixed: float = -1.0
     forward_tokens: int = 0  # tokens through the model (prefills shrink with cache hits)
+    # (request, logical block) pairs a prefill reused although the block's K/V slots hold other tokens
+    stale_blocks: set[tuple[str, int]] = field(default_factory=set)
     free_blocks_after: int = 0
 
 
@@ -134,18 +139,58 @@ def _engine_args(path: str, steps: int, caching: bool) -> EngineArgs:
     )
 
 
-def _run(path: str, steps: int, caching: bool) -> Run:
-    engine = build_engine(_engine_args(path, steps, caching))
-    run = Run()
+class SlotAudit:
+    """Which token, at which position, each K/V slot last received; checked against every reuse."""
 
-    def count_tokens(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __init__(self, engine: Any, run: Run) -> None:
+        self.written: dict[int, tuple[int, int]] = {}
+        self.run = run
+        model = driver_model(engine)
+        assert model is not None
+        model.register_forward_pre_hook(self.record_writes, with_kwargs=True)
+        scheduler = engine.scheduler[0]
+        schedule = scheduler.schedule
+
+        def schedule_and_check() -> Any:
+            scheduled = schedule()
+            for metadata in scheduled[0]:
+                if metadata.is_prompt and metadata.computed_block_nums:
+                    self.check(metadata)
+            return scheduled
+
+        scheduler.schedule = schedule_and_check
+
+    def record_writes(self, _module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        run.forward_tokens += int(input_ids.numel())
+        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        self.run.forward_tokens += int(input_ids.numel())
+        slots = get_forward_context().attn_metadata.slot_mapping.tolist()
+        assert len(slots) == input_ids.numel(), "one K/V slot per input token"
+        for slot, token, position in zip(slots, input_ids.tolist(), positions.tolist(), strict=True):
+            if slot >= 0:
+                self.written[slot] = (token, position)
 
-    model = driver_model(engine)
-    assert model is not None
-    model.register_forward_pre_hook(count_tokens, with_kwargs=True)
+    def check(self, metadata: Any) -> None:
+        computed = set(metadata.computed_block_nums)
+        for seq_id, data in metadata.seq_data.items():
+            tokens = data.get_token_ids()
+            for logical, block in enumerate(metadata.block_tables[seq_id]):
+                if block not in computed:
+                    continue
+                for offset in range(BLOCK_SIZE):
+                    position = logical * BLOCK_SIZE + offset
+                    if self.written.get(block * BLOCK_SIZE + offset) != (tokens[position], position):
+                        self.run.stale_blocks.add((metadata.request_id, logical))
+                        break
+
+
+def _run(path: str, steps: int, caching: bool, *, vllm_fix: bool = True) -> Run:
+    engine = build_engine(_engine_args(path, steps, caching))
     scheduler = engine.scheduler[0]
+    if not vllm_fix:  # vLLM 0.8.5's own prefill pass, without engine.prefix_cache's correction
+        scheduler._schedule_prefills = type(scheduler)._schedule_prefills.__get__(scheduler)
+    run = Run()
+    SlotAudit(engine, run)
     _drive(engine, run, _mixed_requests())
     run.preemptions_mixed = scheduler.num_cumulative_preemption
     run.hit_rate_mixed = prefix_cache_hit_rate(engine.scheduler)
@@ -235,24 +280,7 @@ def test_same_outputs_and_streams_as_single_step_without_caching(
     assert len(run.streams["abort"]) == ABORT_AFTER_OUTPUTS
 
 
-_VLLM_PREEMPTION_DEFECT = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "vLLM 0.8.5 V0 on CPU, stock single-step engine included: with prefix caching, a sequence recomputed "
-        "after preemption can continue with a different greedy token far from any tie (logprob gap ~5); "
-        "see docs/prefix-caching.md"
-    ),
-)
-
-
-@pytest.mark.parametrize(
-    "config",
-    [
-        (8, False),
-        pytest.param((1, True), marks=_VLLM_PREEMPTION_DEFECT),
-        pytest.param((8, True), marks=_VLLM_PREEMPTION_DEFECT),
-    ],
-)
+@pytest.mark.parametrize("config", CONFIGS[1:])
 def test_preempted_requests_match_single_step_without_caching(
     runs: dict[tuple[int, bool], Run], config: tuple[int, bool]
 ) -> None:
@@ -261,6 +289,21 @@ def test_preempted_requests_match_single_step_without_caching(
     _assert_same_finals(reference, run, preempted, str(config))
     for request_id in preempted:
         assert len(run.streams[request_id]) == len(run.finals[request_id].outputs[0].token_ids), request_id
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_every_reused_block_holds_the_sequences_own_tokens(
+    runs: dict[tuple[int, bool], Run], config: tuple[int, bool]
+) -> None:
+    assert runs[config].stale_blocks == set()
+
+
+def test_vllm_0_8_5_alone_reuses_blocks_that_hold_other_tokens_after_preemption(demo_path: str) -> None:
+    """What engine.prefix_cache corrects: the audit above catches vLLM's own scheduler reusing
+    blocks another sequence overwrote (preempted requests, back through the waiting queue)."""
+    run = _run(demo_path, 1, True, vllm_fix=False)
+    assert run.preemptions_total > 0
+    assert run.stale_blocks and all(request.startswith("preempt-") for request, _ in run.stale_blocks)
 
 
 @pytest.mark.parametrize("steps", [1, 8])

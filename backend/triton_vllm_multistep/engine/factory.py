@@ -18,6 +18,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 
 from triton_vllm_multistep.engine.events import STREAM_MODES, StreamMode
+from triton_vllm_multistep.engine.prefix_cache import count_cached_tokens_afresh
 
 logger = logging.getLogger(__name__)
 
@@ -162,8 +163,16 @@ def build_engine(engine_args: EngineArgs, *, stream_mode: StreamMode = "step") -
     `stream_mode` "step" makes a multi-step window hand each step's tokens to the engine's
     outputs as that step is pythonized (one `step()` result per decode step); with "window",
     outputs arrive once per scheduling window (vLLM's `multi_step_stream_outputs`). Raises
-    EngineBuildError for settings that multi-step cannot run.
+    EngineBuildError for settings that multi-step cannot run. With prefix caching on, the
+    schedulers get the fix for vLLM 0.8.5's stale cached-token count (engine.prefix_cache).
     """
+    engine = _build_engine(engine_args, stream_mode)
+    for scheduler in engine.scheduler:
+        count_cached_tokens_afresh(scheduler)
+    return engine
+
+
+def _build_engine(engine_args: EngineArgs, stream_mode: StreamMode) -> LLMEngine:
     from vllm.platforms import current_platform
 
     if stream_mode not in STREAM_MODES:
