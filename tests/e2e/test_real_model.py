@@ -93,9 +93,9 @@ def test_greedy_equals_hf_and_offline_vllm_streamed_whole_and_steps_1(
     model = AutoModelForCausalLM.from_pretrained(real_model_path, torch_dtype=torch.float32)
     for ids, offline_ids in zip(prompts, offline, strict=True):
         tensor = torch.tensor([ids])
-        hf = model.generate(
-            tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=MAX_TOKENS, do_sample=False
-        )[0, len(ids) :].tolist()
+        hf = model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=MAX_TOKENS, do_sample=False)[
+            0, len(ids) :
+        ].tolist()
         streamed = served(real_server, ids, GREEDY, stream=True)
         whole = served(real_server, ids, GREEDY, stream=False, exclude_input_in_output=True)
         single_step = served(real_server, ids, GREEDY, model=STEPS1, stream=True)

@@ -48,9 +48,7 @@ def test_shipped_configs_give_the_gpu_bf16_and_the_cpu_fp32() -> None:
     """The shipped vllm_model: one model.json, a dtype per config (vLLM's CUDA multi-step needs bf16/fp16)."""
     engine_json = json.loads((SHIPPED_MODEL / "1" / "model.json").read_text())
     assert "dtype" not in engine_json  # one place per config, not a default that one config must undo
-    gpu = config.apply_config_engine_args(
-        engine_json, _model_config(_pbtxt_parameters(SHIPPED_MODEL / "config.pbtxt"))
-    )
+    gpu = config.apply_config_engine_args(engine_json, _model_config(_pbtxt_parameters(SHIPPED_MODEL / "config.pbtxt")))
     cpu = config.apply_config_engine_args(
         engine_json, _model_config(_pbtxt_parameters(SHIPPED_MODEL / "configs" / "cpu.pbtxt"))
     )
