@@ -99,7 +99,11 @@ def main() -> None:
         args.max_tokens = 8
         args.wave_scale = 0.0  # the minimum: 2 waves
     if args.configs is None:
-        args.configs = [name for name, config in CONFIGS.items() if config.prefix_run == bool(args.shared_prefix)]
+        args.configs = [
+            name
+            for name, config in CONFIGS.items()
+            if config.in_default_run and config.prefix_run == bool(args.shared_prefix)
+        ]
     if args.output is None:
         name = "served_prefix" if args.shared_prefix else "served"
         args.output = RESULTS_DIR / (f"{name}-smoke.json" if args.smoke else f"{name}.json")

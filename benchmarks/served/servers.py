@@ -21,10 +21,16 @@ from triton_vllm_multistep.testing.local_server import ServerProcess
 
 
 def make_repository(
-    target: Path, steps: int, stream_mode: str, model: str, engine_fields: dict[str, Any] | None = None
+    target: Path,
+    steps: int,
+    stream_mode: str,
+    model: str,
+    engine_fields: dict[str, Any] | None = None,
+    ipex: bool = True,
 ) -> Path:
     engine = {"num_scheduler_steps": steps, "model": model, **(engine_fields or {})}
-    local_server.copy_model(SOURCE_MODEL, target / MODEL, engine, {"stream_mode": stream_mode})
+    parameters = {"stream_mode": stream_mode, "use_ipex": str(ipex).lower()}
+    local_server.copy_model(SOURCE_MODEL, target / MODEL, engine, parameters)
     return target
 
 
@@ -40,6 +46,12 @@ def logged_torch_threads(server: ServerProcess) -> int | None:
     log = server.log_path.read_text(errors="replace")
     found = re.findall(r"ready: num_scheduler_steps=.*?torch threads (\d+)", log)
     return int(found[-1]) if found else None
+
+
+def logged_attention_kernels(server: ServerProcess) -> str | None:
+    """The attention kernels the served engine runs (IPEX or not), from the model's ready line."""
+    found = re.findall(r"ready: .*?attention kernels (.*?), drains", server.log_path.read_text(errors="replace"))
+    return found[-1] if found else None
 
 
 def memory_of(server: ServerProcess) -> dict[str, float]:
@@ -72,7 +84,7 @@ def run_served(
         for name in names:
             config = CONFIGS[name]
             label, steps, mode = config.label, config.num_scheduler_steps, config.stream_mode
-            repository = make_repository(workdir / name, steps, mode, model, config.engine)
+            repository = make_repository(workdir / name, steps, mode, model, config.engine, config.ipex)
             server, ready = start_server(repository, workdir / f"{name}.log")
             servers[name] = server
             print(f"{label}: READY after {ready:.1f} s", flush=True)
@@ -84,6 +96,7 @@ def run_served(
                 "stream_mode": mode,
                 "ready_seconds": ready,
                 "torch_threads": logged_torch_threads(server),
+                "attention_kernels": logged_attention_kernels(server),
                 "idle_memory": memory_of(server),
                 "levels": [],
             }

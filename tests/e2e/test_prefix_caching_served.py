@@ -1,11 +1,13 @@
-"""Prefix caching through the real server: a model with enable_prefix_caching in model.json streams
-the same tokens as one without, and its hit-rate gauge shows the shared system prompt was reused.
+"""Prefix caching and IPEX through the real server: a model with enable_prefix_caching in model.json
+streams the same tokens as one without, and its hit-rate gauge shows the shared system prompt was
+reused; a model with `use_ipex: false` runs without IPEX in its own stub and streams the same tokens.
 
-Owns the served prefix-caching check; must not assert on timings.
+Owns the served prefix-caching and use_ipex checks; must not assert on timings.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from triton_vllm_multistep.testing.local_server import ServerProcess
 
 PLAIN = "llm_plain"
 CACHED = "llm_prefix_cached"
+WITHOUT_IPEX = "llm_without_ipex"
 SYSTEM = "system: you are terse; answer in plain words, count like 1 2 3 when asked. user: "
 QUESTIONS = ["hello world", "the quick brown fox", "cats sleep near warm windows", "people write code"]
 HIT_RATE = "vllm:gpu_prefix_cache_hit_rate"
@@ -25,7 +28,14 @@ HIT_RATE = "vllm:gpu_prefix_cache_hit_rate"
 @pytest.fixture(scope="module")
 def prefix_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> Iterator[ServerProcess]:
     root: Path = tmp_path_factory.mktemp("prefix_caching")
-    repository = make_repository(root, {PLAIN: {}, CACHED: {"engine": {"enable_prefix_caching": True}}})
+    repository = make_repository(
+        root,
+        {
+            PLAIN: {},
+            CACHED: {"engine": {"enable_prefix_caching": True}},
+            WITHOUT_IPEX: {"parameters": {"use_ipex": "false"}},
+        },
+    )
     with serving(repository, root / "tritonserver.log") as server:
         yield server
 
@@ -53,3 +63,20 @@ def test_prefix_cached_model_streams_the_same_tokens_and_reports_hits(prefix_ser
     cached_rate, plain_rate = gauges()
     assert 0 < cached_rate <= 1  # type: ignore[operator]
     assert plain_rate == -1
+
+
+def test_use_ipex_false_serves_without_ipex_and_streams_the_same_greedy_tokens(prefix_server: ServerProcess) -> None:
+    log = prefix_server.log_path.read_text(errors="replace")
+    kernels = dict(re.findall(r"model (\S+) \(.*?\) ready: .*?attention kernels (.*?), drains", log))
+    # Each model runs in a stub of its own: turning IPEX off in one leaves the others on it.
+    assert kernels[WITHOUT_IPEX] == "PyTorch SDPA (IPEX turned off by use_ipex)", kernels
+    assert kernels[PLAIN] == "IPEX", kernels
+    for question in QUESTIONS:
+        greedy = [
+            grpc_generate(
+                prefix_server.grpc_url, model, prompt=SYSTEM + question, sampling={"max_tokens": 24, "temperature": 0}
+            )
+            for model in (WITHOUT_IPEX, PLAIN)
+        ]
+        assert all(result.error is None and result.finals == 1 for result in greedy), question
+        assert greedy[0].token_ids() == greedy[1].token_ids(), question

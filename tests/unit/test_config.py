@@ -41,6 +41,7 @@ def test_every_parameter_is_read() -> None:
             "max_request_bytes": "4096",
             "unload_on_engine_failure": "no",
             "unload_drain_seconds": "2.5",
+            "use_ipex": "false",
             "tokenizer_dir": "ignored here",  # other models' parameters are not errors
         }
     )
@@ -51,6 +52,7 @@ def test_every_parameter_is_read() -> None:
         limits=Limits(max_prompt_tokens=100, max_tokens=50, max_n=2, max_request_bytes=4096),
         unload_on_engine_failure=False,
         unload_drain_seconds=2.5,
+        use_ipex=False,
     )
 
 
@@ -77,6 +79,7 @@ def test_an_empty_drain_time_means_derived_from_the_exit_timeout(value: str) -> 
         ({"stream_interval": "2000"}, "parameter 'stream_interval' must be <= 1024, got 2000"),
         ({"enable_metrics": "sometimes"}, "parameter 'enable_metrics' must be true or false, got 'sometimes'"),
         ({"unload_on_engine_failure": "2"}, "parameter 'unload_on_engine_failure' must be true or false"),
+        ({"use_ipex": "auto"}, "parameter 'use_ipex' must be true or false, got 'auto'"),
         ({"max_n": "many"}, "parameter 'max_n' must be an integer, got 'many'"),
         ({"max_n": "0"}, "parameter 'max_n' must be >= 1, got 0"),
         ({"max_request_bytes": "0"}, "parameter 'max_request_bytes' must be >= 1"),

@@ -11,6 +11,8 @@ import logging
 
 from vllm.engine.arg_utils import EngineArgs
 
+from triton_vllm_multistep.engine.ipex_switch import ipex_turned_off
+
 logger = logging.getLogger(__name__)
 
 # vLLM picks 128-token blocks on CPU when IPEX is importable and 16 otherwise. Ours stays 16 either
@@ -20,6 +22,17 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_BLOCK_SIZE = 16
 
 IPEX_REQUIREMENT = "intel-extension-for-pytorch==2.6.0"
+
+
+def attention_kernels() -> str:
+    """Which kernels vLLM's attention runs on this host, for the model's ready line."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return "the GPU attention backend vLLM chose"
+    if ipex_available():
+        return "IPEX"
+    return "PyTorch SDPA (IPEX turned off by use_ipex)" if ipex_turned_off() else "PyTorch SDPA (no IPEX)"
 
 
 def ipex_available() -> bool:
@@ -36,6 +49,12 @@ def prefix_caching_refusal(engine_args: EngineArgs, has_ipex: bool) -> str | Non
     `flash_attn_varlen_func`; without IPEX the engine loads and its first request fails.
     """
     if engine_args.enable_prefix_caching and not has_ipex:
+        if ipex_turned_off():
+            return (
+                "enable_prefix_caching=true needs Intel Extension for PyTorch on CPU hosts (vLLM's CPU attention "
+                "runs prefix-cached prefills with it) and config.pbtxt parameter use_ipex is false: set use_ipex "
+                "to true or enable_prefix_caching to false"
+            )
         return (
             "enable_prefix_caching=true needs Intel Extension for PyTorch on CPU hosts (vLLM's CPU attention "
             "runs prefix-cached prefills with it) and it is not importable here: install "

@@ -83,6 +83,9 @@ class BackendSettings:
     # How long requests in flight may finish once Triton unloads the model or stops; None: derived
     # from the server's --exit-timeout-secs (see lifecycle/drain.py).
     unload_drain_seconds: float | None = None
+    # config.pbtxt `use_ipex`: false runs vLLM's CPU attention without Intel Extension for PyTorch
+    # even where it is installed (read before vLLM is imported: use_ipex_setting).
+    use_ipex: bool = True
 
 
 def parameter_values(model_config: dict[str, Any]) -> dict[str, str]:
@@ -179,6 +182,11 @@ def metrics_setting(params: dict[str, str], engine_json: dict[str, Any]) -> bool
     return enabled
 
 
+def use_ipex_setting(model_config: dict[str, Any]) -> bool:
+    """config.pbtxt `use_ipex` (default true: vLLM uses IPEX on CPU hosts where it is installed)."""
+    return _as_bool("use_ipex", parameter_values(model_config).get("use_ipex", "true"))
+
+
 def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) -> BackendSettings:
     """Backend settings from config.pbtxt parameters, checked against the model.json fields that overlap them."""
     params = parameter_values(model_config)
@@ -206,6 +214,7 @@ def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) 
         enable_metrics=metrics_setting(params, engine_json),
         limits=limits,
         unload_on_engine_failure=_as_bool("unload_on_engine_failure", params.get("unload_on_engine_failure", "true")),
+        use_ipex=use_ipex_setting(model_config),
         unload_drain_seconds=(
             _as_seconds("unload_drain_seconds", params["unload_drain_seconds"])
             if params.get("unload_drain_seconds", "").strip()

@@ -80,6 +80,12 @@ class ModelServer:
     """Everything one Triton model instance runs."""
 
     def __init__(self, pb_utils: Any, args: dict[str, str]) -> None:
+        model_config = json.loads(args["model_config"])
+        if not config.use_ipex_setting(model_config):
+            from triton_vllm_multistep.engine.ipex_switch import turn_ipex_off
+
+            turn_ipex_off()  # before the first vLLM import below
+        from triton_vllm_multistep.engine.cpu_attention import attention_kernels
         from triton_vllm_multistep.engine.factory import (
             EngineBuildError,
             build_engine,
@@ -91,7 +97,6 @@ class ModelServer:
         from triton_vllm_multistep.stub.responder import Responder
 
         self._pb = pb_utils
-        model_config = json.loads(args["model_config"])
         self.model_name = args.get("model_name") or model_config["name"]
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise config.ConfigError("model_transaction_policy { decoupled: true } is required: this backend streams")
@@ -193,8 +198,9 @@ class ModelServer:
             self.engine.model_executor.shutdown()
             raise
         logger.info(
-            "vllm_multistep: model %s ready: num_scheduler_steps=%d, streaming per %s, torch threads %s, "
-            "drains for up to %.1f s on unload",
+            "vllm_multistep: model %s (%s) ready: num_scheduler_steps=%d, streaming per %s, torch threads %s, "
+            "attention kernels %s, drains for up to %.1f s on unload",
+            self.model_name,
             model.model,
             self.engine.scheduler_config.num_scheduler_steps,
             {
@@ -204,6 +210,7 @@ class ModelServer:
             }[self.settings.stream_mode]
             + (f", every {self.settings.stream_interval} engine outputs" if self.settings.stream_interval > 1 else ""),
             self.loop.torch_threads,
+            attention_kernels(),
             self.drain.drain_seconds,
         )
 
