@@ -121,6 +121,7 @@ def _cpu_now(groups: dict[str, list[Any]], me: Any) -> dict[str, float]:
     return {
         "tritonserver": cpu_seconds(groups["tritonserver"]),
         "stub": cpu_seconds(groups["stub"]),
+        "engine": cpu_seconds(groups["engine"]),
         "client": cpu_seconds([me]),
     }
 
@@ -146,7 +147,8 @@ async def run_level(
     groups = {name: servers[name].process_groups() for name in names}
     me = psutil.Process()
     tallies = {
-        name: LevelTally([], [], [], 0.0, dict.fromkeys(("tritonserver", "stub", "client"), 0.0)) for name in names
+        name: LevelTally([], [], [], 0.0, dict.fromkeys(("tritonserver", "stub", "engine", "client"), 0.0))
+        for name in names
     }
     try:
         for name in names:  # one unmeasured wave each: connections, first-call paths, batch shapes

@@ -123,7 +123,7 @@ def format_table(results: dict[str, Any]) -> str:
     offline = results["offline"]
     header = (
         "| configuration | streams | tok/s | vs ceiling (same threads) | vs steps 1 | resp/s | TTFT p50/p90/p99 ms "
-        "| ITL p50/p90/p99 ms | errors | CPU s/1k tok server/stub/client |"
+        "| ITL p50/p90/p99 ms | errors | CPU s/1k tok server/stub/engine process/client |"
     )
     lines.append(header)
     lines.append("|" + "---|" * 10)
@@ -151,7 +151,7 @@ def format_table(results: dict[str, Any]) -> str:
                 f"| {config['label']} | {level['concurrency']} | {level['tokens_per_s']:.0f} | "
                 f"{vs_ceiling} | {vs1} | {level['responses_per_s']:.0f} | "
                 f"{fmt(level['ttft_ms'], 1)} | {fmt(level['itl_ms'], 2)} | {level['errors']} | "
-                f"{cpu['tritonserver']:.3f}/{cpu['stub']:.3f}/{cpu['client']:.3f} |"
+                f"{cpu['tritonserver']:.3f}/{cpu['stub']:.3f}/{cpu.get('engine', 0.0):.3f}/{cpu['client']:.3f} |"
             )
     lines.append("")
     lines.append("| configuration | start to READY s | idle RSS GB (PSS GB) |")

@@ -26,10 +26,10 @@ def make_repository(
     stream_mode: str,
     model: str,
     engine_fields: dict[str, Any] | None = None,
-    ipex: bool = True,
+    parameters: dict[str, str] | None = None,
 ) -> Path:
     engine = {"num_scheduler_steps": steps, "model": model, **(engine_fields or {})}
-    parameters = {"stream_mode": stream_mode, "use_ipex": str(ipex).lower()}
+    parameters = {"stream_mode": stream_mode, **(parameters or {})}
     local_server.copy_model(SOURCE_MODEL, target / MODEL, engine, parameters)
     return target
 
@@ -84,7 +84,7 @@ def run_served(
         for name in names:
             config = CONFIGS[name]
             label, steps, mode = config.label, config.num_scheduler_steps, config.stream_mode
-            repository = make_repository(workdir / name, steps, mode, model, config.engine, config.ipex)
+            repository = make_repository(workdir / name, steps, mode, model, config.engine, config.parameters)
             server, ready = start_server(repository, workdir / f"{name}.log")
             servers[name] = server
             print(f"{label}: READY after {ready:.1f} s", flush=True)

@@ -36,7 +36,7 @@ class Config:
     stream_mode: str
     engine: dict[str, Any] = field(default_factory=dict)  # model.json fields on top of the shipped ones
     prefix_run: bool = False  # measured by the shared-prefix run (--shared-prefix), not the main one
-    ipex: bool = True  # false: config.pbtxt use_ipex false (vLLM's CPU attention without IPEX)
+    parameters: dict[str, str] = field(default_factory=dict)  # config.pbtxt parameters besides stream_mode
     in_default_run: bool = True  # false: measured only when named with --configs
 
 

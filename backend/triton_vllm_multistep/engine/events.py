@@ -66,4 +66,18 @@ class KvCacheStats:
     prefix_cache_hit_rate: float = -1.0
 
 
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the stub needs to know of the built engine (also sent by an engine process)."""
+
+    model: str
+    dtype: str  # e.g. "torch.float32"
+    device_type: str  # "cpu", "cuda", ...
+    vocab_size: int
+    max_model_len: int
+    multimodal: bool
+    num_scheduler_steps: int
+    attention_kernels: str  # engine.cpu_attention.attention_kernels()
+
+
 EngineEvent = StepOutputs | RequestFailed | EngineDied

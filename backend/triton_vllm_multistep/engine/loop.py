@@ -21,7 +21,15 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.worker.model_runner_base import InputProcessingError
 
-from triton_vllm_multistep.engine.events import EngineDied, EngineEvent, KvCacheStats, RequestFailed, StepOutputs
+from triton_vllm_multistep.engine.cpu_attention import attention_kernels
+from triton_vllm_multistep.engine.events import (
+    EngineDied,
+    EngineEvent,
+    EngineFacts,
+    KvCacheStats,
+    RequestFailed,
+    StepOutputs,
+)
 from triton_vllm_multistep.engine.prefix_cache import prefix_cache_hit_rate
 from triton_vllm_multistep.testing.faults import install_fault_injection
 
@@ -36,6 +44,21 @@ def driver_model(engine: LLMEngine):
     runner = getattr(runner, "_base_model_runner", runner)  # vLLM's MultiStepModelRunner (GPU)
     model = getattr(runner, "model", None)
     return model if hasattr(model, "register_forward_hook") else None
+
+
+def engine_facts(engine: LLMEngine) -> EngineFacts:
+    """What the stub needs to know of a built engine (read where the engine lives)."""
+    model = engine.model_config
+    return EngineFacts(
+        model=str(model.model),
+        dtype=str(model.dtype),
+        device_type=str(engine.device_config.device_type),
+        vocab_size=int(model.get_vocab_size()),
+        max_model_len=int(model.max_model_len),
+        multimodal=bool(getattr(model, "is_multimodal_model", False)),
+        num_scheduler_steps=int(engine.scheduler_config.num_scheduler_steps),
+        attention_kernels=attention_kernels(),
+    )
 
 
 def model_parameters(engine: LLMEngine) -> int | None:
@@ -159,6 +182,16 @@ class EngineLoop:
         if self._engine is None:
             raise RuntimeError("the engine is not built")
         return self._engine
+
+    @property
+    def facts(self) -> EngineFacts:
+        return engine_facts(self.engine)
+
+    def shutdown(self) -> None:
+        """Stop the loop and shut the engine's executor down (its workers)."""
+        self.stop()
+        if self._engine is not None:
+            self._engine.model_executor.shutdown()
 
     def start_engine(self) -> LLMEngine:
         """Start the engine thread and wait until it has built the engine; raises what the build raised."""

@@ -86,6 +86,9 @@ class BackendSettings:
     # config.pbtxt `use_ipex`: false runs vLLM's CPU attention without Intel Extension for PyTorch
     # even where it is installed (read before vLLM is imported: use_ipex_setting).
     use_ipex: bool = True
+    # config.pbtxt `engine_process`: the engine runs in a process of its own (engine/process.py),
+    # away from the stub's GIL that builds and sends the responses.
+    engine_process: bool = False
 
 
 def parameter_values(model_config: dict[str, Any]) -> dict[str, str]:
@@ -215,6 +218,7 @@ def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) 
         limits=limits,
         unload_on_engine_failure=_as_bool("unload_on_engine_failure", params.get("unload_on_engine_failure", "true")),
         use_ipex=use_ipex_setting(model_config),
+        engine_process=_as_bool("engine_process", params.get("engine_process", "false")),
         unload_drain_seconds=(
             _as_seconds("unload_drain_seconds", params["unload_drain_seconds"])
             if params.get("unload_drain_seconds", "").strip()
@@ -276,6 +280,16 @@ def engine_args(engine_json: dict[str, Any], model_dir: Path, settings: BackendS
     """vLLM `EngineArgs` from model.json: unknown fields refused, paths resolved, defaults filled."""
     from vllm.engine.arg_utils import EngineArgs
 
+    try:
+        return EngineArgs(**engine_args_values(engine_json, model_dir, settings))
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"model.json: {error}") from None
+
+
+def engine_args_values(engine_json: dict[str, Any], model_dir: Path, settings: BackendSettings) -> dict[str, Any]:
+    """The keyword arguments of `engine_args`, plain JSON values (what an engine process is sent)."""
+    from vllm.engine.arg_utils import EngineArgs
+
     values = {**ENGINE_DEFAULTS, **engine_fields(engine_json, {field.name for field in dataclasses.fields(EngineArgs)})}
     for name in PATH_ARGS:
         value = values.get(name)
@@ -285,10 +299,7 @@ def engine_args(engine_json: dict[str, Any], model_dir: Path, settings: BackendS
     steps = values["num_scheduler_steps"]
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ConfigError(f"model.json: 'num_scheduler_steps' must be an integer >= 1, got {steps!r}")
-    try:
-        return EngineArgs(**values)
-    except (TypeError, ValueError) as error:
-        raise ConfigError(f"model.json: {error}") from None
+    return values
 
 
 def engine_fields(engine_json: dict[str, Any], known: set[str]) -> dict[str, Any]:

@@ -85,7 +85,6 @@ class ModelServer:
             from triton_vllm_multistep.engine.ipex_switch import turn_ipex_off
 
             turn_ipex_off()  # before the first vLLM import below
-        from triton_vllm_multistep.engine.cpu_attention import attention_kernels
         from triton_vllm_multistep.engine.factory import (
             EngineBuildError,
             build_engine,
@@ -117,23 +116,35 @@ class ModelServer:
         self._server_command = triton_command.of_process(os.getppid())
 
         user_threads = thread_choice_of_user()  # before the build: vLLM sets OMP_NUM_THREADS during it
-
-        def torch_threads(engine: Any) -> int | None:
-            return serving_torch_threads(model_parameters(engine), user_threads)
-
-        # Warmed up in the engine thread: a setting that would fail the first request fails the load.
         engine_mode = config.engine_stream_mode(self.settings.stream_mode)
-        self.loop = EngineLoop(
-            lambda: warmed_up(build_engine(engine_args, stream_mode=engine_mode), engine_args), torch_threads
-        )
+        if self.settings.engine_process:
+            from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec
+
+            self.loop: Any = EngineProcess(
+                EngineSpec(
+                    engine_args=config.engine_args_values(engine_json, model_dir, self.settings),
+                    stream_mode=engine_mode,
+                    user_threads=user_threads,
+                    use_ipex=self.settings.use_ipex,
+                )
+            )
+        else:
+
+            def torch_threads(engine: Any) -> int | None:
+                return serving_torch_threads(model_parameters(engine), user_threads)
+
+            # Warmed up in the engine thread: a setting that would fail the first request fails the load.
+            self.loop = EngineLoop(
+                lambda: warmed_up(build_engine(engine_args, stream_mode=engine_mode), engine_args), torch_threads
+            )
         try:
-            self.engine = self.loop.start_engine()  # a failed build has ended the engine thread
+            self.loop.start_engine()  # a failed build has ended the engine thread (or process)
         except EngineBuildError as error:
             # Settings this backend refuses: a load error naming them, not a trace into the engine.
             raise config.ConfigError(f"model {self.model_name}: {error}") from None
+        facts = self.loop.facts
         try:
-            model = self.engine.model_config
-            if str(model.dtype) == "torch.float16" and self.engine.device_config.device_type == "cpu":
+            if facts.dtype == "torch.float16" and facts.device_type == "cpu":
                 # vLLM's "auto" turns float32 checkpoints into float16, which its CPU kernels lack: the
                 # first request would kill the engine ("reshape_and_cache_cpu_impl" not implemented for 'Half').
                 raise config.ConfigError(
@@ -143,11 +154,11 @@ class ModelServer:
             self._tokenizer = self._load_tokenizer(engine_args)
             tokenizer_vocab = getattr(self._tokenizer, "max_token_id", len(self._tokenizer) - 1) + 1
             self.limits = codec.ModelLimits(
-                vocab_size=min(model.get_vocab_size(), tokenizer_vocab),
-                max_model_len=model.max_model_len,
+                vocab_size=min(facts.vocab_size, tokenizer_vocab),
+                max_model_len=facts.max_model_len,
                 limits=self.settings.limits,
-                model_name=model.model,
-                multimodal=bool(getattr(model, "is_multimodal_model", False)),
+                model_name=facts.model,
+                multimodal=facts.multimodal,
             )
             self.metrics = None
             if self.settings.enable_metrics:
@@ -157,7 +168,7 @@ class ModelServer:
                     pb_utils,
                     model_config["name"],
                     str(args.get("model_version", "1")),
-                    model.max_model_len,
+                    facts.max_model_len,
                     instances=config.instance_count(model_config, gpu_count()),
                 )
             self.responder = Responder(
@@ -194,15 +205,14 @@ class ModelServer:
             )
             self.drain.start()
         except BaseException:
-            self.loop.stop()
-            self.engine.model_executor.shutdown()
+            self.loop.shutdown()
             raise
         logger.info(
             "vllm_multistep: model %s (%s) ready: num_scheduler_steps=%d, streaming per %s, torch threads %s, "
             "attention kernels %s, drains for up to %.1f s on unload",
             self.model_name,
-            model.model,
-            self.engine.scheduler_config.num_scheduler_steps,
+            facts.model,
+            facts.num_scheduler_steps,
             {
                 "step": "step",
                 "window": "scheduling window",
@@ -210,7 +220,7 @@ class ModelServer:
             }[self.settings.stream_mode]
             + (f", every {self.settings.stream_interval} engine outputs" if self.settings.stream_interval > 1 else ""),
             self.loop.torch_threads,
-            attention_kernels(),
+            facts.attention_kernels + (", engine in a process of its own" if self.settings.engine_process else ""),
             self.drain.drain_seconds,
         )
 
@@ -346,7 +356,5 @@ class ModelServer:
                 self.metrics.close()
             except Exception:
                 logger.exception("closing the metrics failed")
-        executor = getattr(self.engine, "model_executor", None)
-        if executor is not None:
-            executor.shutdown()
+        self.loop.shutdown()
         logger.info("vllm_multistep: model %s finalized: engine shut down", self.model_name)

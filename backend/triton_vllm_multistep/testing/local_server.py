@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from triton_vllm_multistep.engine.process import ENTRY_MODULE as ENGINE_PROCESS_MODULE
 from triton_vllm_multistep.lifecycle import procfs, triton_command
 
 
@@ -112,8 +113,9 @@ class ServerProcess:
         return _as_psutil(procfs.descendants(self.process.pid))
 
     def process_groups(self) -> dict[str, list[Any]]:
-        """Live tritonserver and Python backend stub processes (where the engines run), as psutil processes."""
-        groups: dict[str, list[int]] = {"tritonserver": [], "stub": []}
+        """Live tritonserver, Python backend stub (where the engines run) and engine processes (models
+        with `engine_process: true`), as psutil processes."""
+        groups: dict[str, list[int]] = {"tritonserver": [], "stub": [], "engine": []}
         for pid in procfs.descendants(self.process.pid):
             argv = procfs.cmdline(pid)
             if not procfs.alive(pid):
@@ -122,6 +124,8 @@ class ServerProcess:
                 groups["stub"].append(pid)
             elif triton_command.is_tritonserver(argv):
                 groups["tritonserver"].append(pid)
+            elif ENGINE_PROCESS_MODULE in argv:
+                groups["engine"].append(pid)
         return {kind: _as_psutil(pids) for kind, pids in groups.items()}
 
     def stop(self, timeout: float = 120.0) -> int:

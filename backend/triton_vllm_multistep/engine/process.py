@@ -1,0 +1,335 @@
+"""The engine in a process of its own (config.pbtxt `engine_process: true`): the stub's side,
+EngineProcess, with EngineLoop's surface, and the child's side, `serve_engine`, joined by two pipes.
+
+Why: in one process the engine thread (scheduling, pythonization, detokenization) and the
+response thread (building and sending one Triton response per stream per step) share one GIL, so
+every response built is engine time lost once many streams run (vLLM's own server runs its
+engine in a process of its own for the same reason, MQLLMEngine). Here the child runs an
+ordinary EngineLoop; its events cross as pickles and reach the stub's sink in the same order.
+
+Owns starting, feeding, watching and stopping the engine process, and the messages between the
+two sides; must not know Triton. Imports no vLLM at module level: the child unpickles its target
+from here before it may turn IPEX off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from triton_vllm_multistep.engine.events import (
+    EngineDied,
+    EngineEvent,
+    EngineFacts,
+    KvCacheStats,
+    RequestFailed,
+    StepOutputs,
+)
+
+logger = logging.getLogger(__name__)
+
+# How long stop() waits for the engine process to shut its engine down before terminating it.
+STOP_SECONDS = 20.0
+PYTHON_ENV = "TRITON_VLLM_MULTISTEP_PYTHON"
+# `python -m ENTRY_MODULE FD` runs an engine process (tools find engine processes by it too).
+ENTRY_MODULE = "triton_vllm_multistep.engine.process"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything the child needs to build the engine, in plain values (unpickled before vLLM loads)."""
+
+    engine_args: dict[str, Any]  # EngineArgs fields
+    stream_mode: str
+    user_threads: dict[str, str | None] = field(default_factory=dict)  # factory.thread_choice_of_user()
+    use_ipex: bool = True
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed to start or to build its engine (the message carries its error)."""
+
+
+def python_for_children() -> str:
+    """The interpreter that runs the engine process.
+
+    Inside Triton's stub, `sys.executable` is not a Python that takes `-c` (the stub embeds
+    libpython), so: the TRITON_VLLM_MULTISTEP_PYTHON environment variable, else the python of this
+    version first on PATH (the launcher puts this environment's first), else sys.executable.
+    """
+    chosen = os.environ.get(PYTHON_ENV)
+    if chosen:
+        return chosen
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return shutil.which(version) or shutil.which("python3") or sys.executable
+
+
+class EngineProcess:
+    """EngineLoop's surface (start_engine, serve, submit, abort, stop, healthy, error, torch_threads),
+    with the engine in a child process. Events reach `sink` from one reader thread, in order."""
+
+    def __init__(self, spec: EngineSpec, python: str | None = None) -> None:
+        self._spec = spec
+        self._python = python or python_for_children()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._connection: Connection | None = None
+        self._send_lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        self._sink: Callable[[EngineEvent], None] = lambda _event: None
+        self._on_state: Callable[[KvCacheStats], None] | None = None
+        self._on_death: Callable[[str], None] | None = None
+        self._in_flight: set[str] = set()
+        self._in_flight_lock = threading.Lock()
+        self._serving = False
+        self._stopping = False
+        self.stopped = threading.Event()
+        self.error: str | None = None
+        self.torch_threads: int | None = None
+        self.facts: EngineFacts | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._serving and self._process is not None and self._process.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def start_engine(self) -> EngineFacts:
+        """Start the process and wait until it has built (and warmed up) the engine; raises its failure."""
+        ours, theirs = socket.socketpair()
+        environment = dict(os.environ)
+        # This interpreter's import paths (the stub's: the package and its environment's packages).
+        environment["PYTHONPATH"] = os.pathsep.join(entry for entry in sys.path if entry)
+        self._process = subprocess.Popen(
+            [self._python, "-m", ENTRY_MODULE, str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            env=environment,
+            stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self._connection = Connection(ours.detach())
+        self._send(("spec", self._spec))
+        try:
+            message = self._connection.recv()
+        except (EOFError, OSError):
+            raise EngineProcessError(
+                "the vLLM engine process exited while building the engine "
+                f"(exit code {self._process.wait(30)}; its output is in the server log)"
+            ) from None
+        if message[0] == "build_failed":
+            self._process.wait(30)
+            error = message[1]
+            raise error if isinstance(error, BaseException) else EngineProcessError(str(error))
+        _, self.facts, self.torch_threads = message
+        return self.facts
+
+    def serve(
+        self,
+        sink: Callable[[EngineEvent], None],
+        on_state: Callable[[KvCacheStats], None] | None = None,
+        state_interval: float = 0.25,
+        time_steps: bool = False,
+        on_death: Callable[[str], None] | None = None,
+    ) -> None:
+        self._sink, self._on_state, self._on_death = sink, on_state, on_death
+        self._serving = True
+        self._reader = threading.Thread(target=self._read_events, name="vllm-engine-process-events", daemon=True)
+        self._reader.start()
+        self._send(("serve", state_interval, time_steps, on_state is not None))
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+        with self._in_flight_lock:
+            self._in_flight.add(request_id)
+        self._send(("submit", request_id, prompt_token_ids, params))
+
+    def abort(self, request_id: str) -> None:
+        with self._in_flight_lock:
+            self._in_flight.discard(request_id)
+        self._send(("abort", request_id))
+
+    def stop(self, timeout: float = STOP_SECONDS) -> None:
+        """Stop the engine (the child shuts its executor down) and the process; idempotent."""
+        self._stopping = True
+        if self._process is None:
+            return
+        self._send(("stop",))
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("the vLLM engine process did not stop within %.0f s: terminating it", timeout)
+            self._process.terminate()
+            try:
+                self._process.wait(5)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait(5)
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(5)
+        self.stopped.set()
+
+    def shutdown(self) -> None:
+        """EngineLoop's shutdown: here the engine process shuts its executor down when it stops."""
+        self.stop()
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        if self._connection is None:
+            return
+        try:
+            with self._send_lock:
+                self._connection.send(message)
+        except (OSError, ValueError, BrokenPipeError):
+            # The process is gone: the reader reports its death (once) to every request in flight.
+            pass
+
+    def _read_events(self) -> None:
+        assert self._connection is not None and self._process is not None
+        while True:
+            try:
+                kind, payload = self._connection.recv()
+            except (EOFError, OSError):
+                break
+            except Exception as error:  # an event that does not unpickle: the engine's state is unknown
+                self._died(f"vLLM engine process sent an unreadable event: {error!r}")
+                return
+            if kind == "state":
+                if self._on_state is not None:
+                    try:
+                        self._on_state(payload)
+                    except Exception:
+                        logger.exception("reporting engine state failed")
+                continue
+            if kind == "stopped":
+                break
+            self._forget_ended(payload)
+            if isinstance(payload, EngineDied):
+                self._died(payload.message, payload)
+                return
+            self._sink(payload)
+        if not self._stopping:
+            try:
+                code: int | None = self._process.wait(5)
+            except subprocess.TimeoutExpired:
+                code = None
+            self._died(f"vLLM engine failed: the engine process exited (exit code {code})")
+
+    def _forget_ended(self, event: EngineEvent) -> None:
+        with self._in_flight_lock:
+            if isinstance(event, StepOutputs):
+                for output in event.outputs:
+                    if output.finished:
+                        self._in_flight.discard(output.request_id)
+            elif isinstance(event, RequestFailed):
+                self._in_flight.discard(event.request_id)
+
+    def _died(self, message: str, event: EngineDied | None = None) -> None:
+        if self.error is not None:
+            return
+        self.error = message
+        logger.error("%s", message)
+        with self._in_flight_lock:
+            lost = sorted(self._in_flight)
+            self._in_flight.clear()
+        # The death callback first (metrics count the failure), then the requests' errors.
+        if self._on_death is not None:
+            try:
+                self._on_death(message)
+            except Exception:
+                logger.exception("engine death callback failed")
+        self._sink(EngineDied(message, sorted(set(lost) | set(event.request_ids if event else []))))
+
+
+def serve_engine(connection: Connection) -> None:
+    """The engine process: build the engine in an EngineLoop, then follow the stub's commands."""
+    send_lock = threading.Lock()
+
+    def send(kind: str, payload: Any) -> None:
+        data = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        with send_lock:
+            connection.send_bytes(data)
+
+    _, spec = connection.recv()
+    if not spec.use_ipex:
+        from triton_vllm_multistep.engine.ipex_switch import turn_ipex_off
+
+        turn_ipex_off()  # before vLLM is imported in this process
+    loop, engine = _built_loop(spec, connection)
+    if loop is None:
+        return
+    from triton_vllm_multistep.engine.loop import engine_facts
+
+    with send_lock:
+        connection.send(("built", engine_facts(engine), loop.torch_threads))
+    try:
+        while True:
+            try:
+                message = connection.recv()
+            except (EOFError, OSError):
+                break  # the stub is gone: stop
+            if message[0] == "submit":
+                loop.submit(message[1], message[2], message[3])
+            elif message[0] == "abort":
+                loop.abort(message[1])
+            elif message[0] == "serve":
+                _, state_interval, time_steps, report_state = message
+                loop.serve(
+                    sink=lambda event: send("event", event),
+                    on_state=(lambda state: send("state", state)) if report_state else None,
+                    state_interval=state_interval,
+                    time_steps=time_steps,
+                )
+            elif message[0] == "stop":
+                break
+    finally:
+        loop.stop()
+        try:
+            engine.model_executor.shutdown()
+        finally:
+            try:
+                send("stopped", None)
+            except (OSError, ValueError):
+                pass
+
+
+def _built_loop(spec: EngineSpec, connection: Connection) -> tuple[Any, Any]:
+    """(loop, engine) once built and warmed up; (None, None) after sending the build's failure."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from triton_vllm_multistep.engine.factory import build_engine, serving_torch_threads
+    from triton_vllm_multistep.engine.loop import EngineLoop, model_parameters
+    from triton_vllm_multistep.engine.warmup import warmed_up
+
+    engine_args = EngineArgs(**spec.engine_args)
+    loop = EngineLoop(
+        lambda: warmed_up(build_engine(engine_args, stream_mode=spec.stream_mode), engine_args),  # type: ignore[arg-type]
+        lambda engine: serving_torch_threads(model_parameters(engine), spec.user_threads),
+    )
+    try:
+        engine = loop.start_engine()
+    except BaseException as error:
+        try:
+            pickle.dumps(error)
+            failure: Any = error
+        except Exception:
+            failure = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
+        connection.send(("build_failed", failure))
+        return None, None
+    return loop, engine
+
+
+if __name__ == "__main__":
+    # The engine process's entry (`python -m triton_vllm_multistep.engine.process FD`), through the
+    # package's module so that pickled names resolve to one copy of it.
+    from triton_vllm_multistep.engine import process
+
+    process.serve_engine(Connection(int(sys.argv[1])))

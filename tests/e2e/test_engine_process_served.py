@@ -1,0 +1,94 @@
+"""`engine_process: true` through the real server: the engine runs in a process of its own, the
+stream is the same one-response-per-step stream as with the engine in the stub, and a dead engine
+process fails its requests and its model alone.
+
+Owns the served engine-process checks; must not assert on timings.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from private_servers import make_repository, serving
+from triton_clients import StreamResult, grpc_generate
+
+from triton_vllm_multistep.testing.local_server import ServerProcess
+from triton_vllm_multistep.testing.polling import wait_for
+
+IN_STUB = "llm_engine_in_stub"
+OWN_PROCESS = "llm_engine_process"
+PROMPTS = ["hello world", "the quick brown fox", "cats sleep near warm windows"]
+ENGINE_PROCESS_MODULE = "triton_vllm_multistep.engine.process"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> Iterator[ServerProcess]:
+    root: Path = tmp_path_factory.mktemp("engine_process")
+    repository = make_repository(root, {IN_STUB: {}, OWN_PROCESS: {"parameters": {"engine_process": "true"}}})
+    with serving(repository, root / "tritonserver.log") as running:
+        yield running
+
+
+def _generate(server: ServerProcess, model: str, prompt: str, stream: bool = True, **sampling: object) -> StreamResult:
+    sampling = {"max_tokens": 20, **sampling}
+    result = grpc_generate(server.grpc_url, model, prompt=prompt, sampling=sampling, stream=stream)
+    assert result.error is None and result.finals == 1, (model, result.error)
+    return result
+
+
+def _engine_processes(server: ServerProcess) -> list[psutil.Process]:
+    below = psutil.Process(server.process.pid).children(recursive=True)
+    return [p for p in below if ENGINE_PROCESS_MODULE in " ".join(p.cmdline())]
+
+
+def test_the_engine_runs_in_its_own_process_and_streams_what_the_stub_engine_streams(server: ServerProcess) -> None:
+    log = server.log_path.read_text(errors="replace")
+    assert re.search(rf"model {OWN_PROCESS} \(.*?\) ready: .*engine in a process of its own", log)
+    assert len(_engine_processes(server)) == 1  # only the model that asked for it
+    for prompt in PROMPTS:
+        for sampling in ({"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 5}):
+            want = _generate(server, IN_STUB, prompt, **sampling)
+            got = _generate(server, OWN_PROCESS, prompt, **sampling)
+            assert got.token_ids() == want.token_ids() and got.text() == want.text(), (prompt, sampling)
+            # One response per decoded step, as in the stub.
+            assert len(got.data_responses) == len(got.token_ids()) == len(want.data_responses)
+            whole = _generate(server, OWN_PROCESS, prompt, stream=False, **sampling)
+            # Non-streamed text starts with the prompt (Triton's vLLM backend's exclude_input_in_output false).
+            assert whole.token_ids() == got.token_ids() and whole.text() == prompt + got.text()
+
+
+def test_a_dead_engine_process_fails_its_requests_and_its_model_alone(server: ServerProcess) -> None:
+    (engine,) = _engine_processes(server)
+    in_flight: list[StreamResult] = []
+    first_response = threading.Event()
+
+    def long_request() -> None:
+        in_flight.append(
+            grpc_generate(
+                server.grpc_url,
+                OWN_PROCESS,
+                prompt="count to a thousand",
+                sampling={"max_tokens": 200, "ignore_eos": True},
+                stream=True,
+                on_response=first_response.set,
+                timeout=300,
+            )
+        )
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    assert first_response.wait(120)
+    engine.kill()
+    thread.join(300)
+    (stream,) = in_flight
+    assert stream.finals == 1 and stream.error is not None and "engine process exited" in stream.error
+    assert wait_for(lambda: not engine.is_running(), 30)
+    after = grpc_generate(server.grpc_url, OWN_PROCESS, prompt="hello", sampling={"max_tokens": 4})
+    assert after.finals == 1 and after.error is not None and "unhealthy vLLM engine" in after.error
+    # The other model, and the server, go on.
+    assert _generate(server, IN_STUB, "hello world", temperature=0).token_ids()

@@ -1,0 +1,173 @@
+"""engine/process.py: the engine in a process of its own gives the stub the same events as the
+engine thread, and its failures (build, death) reach the stub as they would in-process.
+
+Real CPU multi-step engine on the demo model, in a real child process; no Triton (tests/e2e has
+the served check).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+os.environ["VLLM_USE_V1"] = "0"
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import pytest
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+
+from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.engine.events import EngineDied, KvCacheStats, StepOutputs
+from triton_vllm_multistep.engine.factory import EngineBuildError, build_engine
+from triton_vllm_multistep.engine.loop import EngineLoop
+from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec
+
+STEPS = 8
+
+
+def _fields(**extra: Any) -> dict[str, Any]:
+    path = str(demo_models.build("tiny-llama-bpe"))
+    return {"model": path, "dtype": "float32", "max_model_len": 256, "num_scheduler_steps": STEPS, "seed": 0, **extra}
+
+
+def _requests() -> list[tuple[str, list[int], SamplingParams]]:
+    delta = RequestOutputKind.DELTA
+    return [
+        ("greedy", [1, 5, 9, 12], SamplingParams(max_tokens=19, temperature=0.0, ignore_eos=True, output_kind=delta)),
+        ("seeded", [3, 4, 5], SamplingParams(max_tokens=13, temperature=0.8, seed=7, output_kind=delta)),
+        ("logprobs", [7, 8], SamplingParams(max_tokens=9, temperature=0.0, logprobs=2, output_kind=delta)),
+    ]
+
+
+class Collector:
+    def __init__(self, expected: int) -> None:
+        self.events: list[Any] = []
+        self.states: list[KvCacheStats] = []
+        self.deaths: list[str] = []
+        self.expected = expected
+        self.done = threading.Event()
+
+    def sink(self, event: Any) -> None:
+        self.events.append(event)
+        if isinstance(event, EngineDied) or len(self.finished()) >= self.expected:
+            self.done.set()
+
+    def finished(self) -> set[str]:
+        return {o.request_id for e in self.events if isinstance(e, StepOutputs) for o in e.outputs if o.finished}
+
+    def deltas(self) -> dict[str, list[list[int]]]:
+        found: dict[str, list[list[int]]] = {}
+        for event in self.events:
+            if isinstance(event, StepOutputs):
+                for output in event.outputs:
+                    found.setdefault(output.request_id, []).append(list(output.outputs[0].token_ids))
+        return found
+
+
+def _run(loop: Any, requests: list[tuple[str, list[int], SamplingParams]]) -> Collector:
+    collector = Collector(len(requests))
+    loop.serve(collector.sink, on_state=collector.states.append, time_steps=True, on_death=collector.deaths.append)
+    for request_id, prompt, params in requests:
+        loop.submit(request_id, prompt, params)
+    assert collector.done.wait(120)
+    return collector
+
+
+@pytest.fixture(scope="module")
+def in_process() -> Collector:
+    args = _fields()
+    from vllm import EngineArgs
+
+    loop = EngineLoop(lambda: build_engine(EngineArgs(**args), stream_mode="step"))
+    loop.start_engine()
+    try:
+        return _run(loop, _requests())
+    finally:
+        loop.shutdown()
+
+
+@pytest.fixture
+def engine_process() -> Iterator[EngineProcess]:
+    process = EngineProcess(EngineSpec(_fields(), "step"))
+    process.start_engine()
+    yield process
+    process.stop()
+
+
+def test_the_engine_process_streams_the_same_steps_as_the_engine_thread(
+    in_process: Collector, engine_process: EngineProcess
+) -> None:
+    facts = engine_process.facts
+    assert facts is not None and facts.num_scheduler_steps == STEPS and facts.device_type == "cpu"
+    assert engine_process.pid != os.getpid() and engine_process.torch_threads
+    collected = _run(engine_process, _requests())
+    # Same tokens, delivered as the same one-output-per-step deltas, FINAL last.
+    assert collected.deltas() == in_process.deltas()
+    assert all(len(d) == 1 for deltas in collected.deltas().values() for d in deltas)
+    outputs = [o for e in collected.events if isinstance(e, StepOutputs) for o in e.outputs]
+    assert all(o.outputs[0].logprobs for o in outputs if o.request_id == "logprobs")
+    assert collected.states and isinstance(collected.states[-1], KvCacheStats)
+    assert engine_process.healthy and not collected.deaths
+
+
+def test_stop_shuts_the_engine_process_down() -> None:
+    process = EngineProcess(EngineSpec(_fields(), "step"))
+    process.start_engine()
+    process.serve(lambda _event: None)
+    process.stop()
+    assert process._process is not None and process._process.returncode == 0
+    assert not process.healthy and process.error is None  # a stop is not a failure
+    process.stop()  # idempotent
+
+
+def test_an_aborted_request_ends_and_the_others_finish(engine_process: EngineProcess) -> None:
+    collector = Collector(1)
+    aborted = threading.Event()
+
+    def sink(event: Any) -> None:
+        collector.sink(event)
+        if not aborted.is_set() and "long" in collector.deltas():
+            engine_process.abort("long")
+            aborted.set()
+
+    engine_process.serve(sink)
+    delta = RequestOutputKind.DELTA
+    engine_process.submit("long", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True, output_kind=delta))
+    engine_process.submit("short", [4, 5], SamplingParams(max_tokens=40, ignore_eos=True, output_kind=delta))
+    assert collector.done.wait(120)
+    assert collector.finished() == {"short"}
+    assert sum(len(d) for d in collector.deltas()["long"]) < 200
+
+
+def test_a_killed_engine_process_fails_every_request_in_flight_once(engine_process: EngineProcess) -> None:
+    collector = Collector(99)
+    started = threading.Event()
+
+    def sink(event: Any) -> None:
+        collector.sink(event)
+        if isinstance(event, StepOutputs) and event.outputs:
+            started.set()
+
+    engine_process.serve(sink, on_death=collector.deaths.append)
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    engine_process.submit("a", [1, 2, 3], params)
+    engine_process.submit("b", [4, 5, 6], params)
+    assert started.wait(60)
+    assert engine_process.pid is not None
+    os.kill(engine_process.pid, signal.SIGKILL)
+    assert collector.done.wait(60)
+    (died,) = [e for e in collector.events if isinstance(e, EngineDied)]
+    assert died.request_ids == ["a", "b"]
+    assert "engine process exited" in died.message and collector.deaths == [died.message]
+    assert not engine_process.healthy and engine_process.error == died.message
+
+
+def test_a_refused_setting_is_raised_in_the_stub_as_the_build_error() -> None:
+    process = EngineProcess(EngineSpec(_fields(pipeline_parallel_size=2), "step"))
+    with pytest.raises(EngineBuildError, match="pipeline"):
+        process.start_engine()
+    assert process._process is not None and process._process.poll() is not None
