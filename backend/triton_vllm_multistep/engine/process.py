@@ -111,13 +111,21 @@ class EngineProcess:
         environment = dict(os.environ)
         # This interpreter's import paths (the stub's: the package and its environment's packages).
         environment["PYTHONPATH"] = os.pathsep.join(entry for entry in sys.path if entry)
-        self._process = subprocess.Popen(
-            [self._python, "-m", ENTRY_MODULE, str(theirs.fileno())],
-            pass_fds=[theirs.fileno()],
-            env=environment,
-            stdin=subprocess.DEVNULL,
-        )
-        theirs.close()
+        try:
+            self._process = subprocess.Popen(
+                [self._python, "-m", ENTRY_MODULE, str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                env=environment,
+                stdin=subprocess.DEVNULL,
+            )
+        except OSError as error:
+            ours.close()
+            raise EngineProcessError(
+                f"could not start the engine process with {self._python!r} ({error}): set {PYTHON_ENV} to a "
+                f"Python {sys.version_info.major}.{sys.version_info.minor} that has this environment's packages"
+            ) from None
+        finally:
+            theirs.close()
         self._connection = Connection(ours.detach())
         self._send(("spec", self._spec))
         try:

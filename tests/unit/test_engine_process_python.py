@@ -1,0 +1,37 @@
+"""Which Python runs the engine process (engine/process.py): the stub's sys.executable is not one."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from triton_vllm_multistep.engine.process import (
+    PYTHON_ENV,
+    EngineProcess,
+    EngineProcessError,
+    EngineSpec,
+    python_for_children,
+)
+
+
+def test_the_environment_variable_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PYTHON_ENV, "/opt/py/bin/python3")
+    assert python_for_children() == "/opt/py/bin/python3"
+
+
+def test_else_the_python_of_this_version_first_on_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(PYTHON_ENV, raising=False)
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    fake = tmp_path / version
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert python_for_children() == str(fake)
+
+
+def test_a_python_that_cannot_start_is_an_error_saying_what_to_set() -> None:
+    process = EngineProcess(EngineSpec({"model": "m"}, "step"), python="/nonexistent/python3")
+    with pytest.raises(EngineProcessError, match=f"set {PYTHON_ENV} to a Python"):
+        process.start_engine()
