@@ -1,6 +1,7 @@
 """Prefix caching and IPEX through the real server: a model with enable_prefix_caching in model.json
 streams the same tokens as one without, and its hit-rate gauge shows the shared system prompt was
-reused; a model with `use_ipex: false` runs without IPEX in its own stub and streams the same tokens.
+reused; `use_ipex` (auto by default) runs each model with IPEX only where prefix caching needs it,
+and with or without it the greedy tokens are the same.
 
 Owns the served prefix-caching and use_ipex checks; must not assert on timings.
 """
@@ -31,9 +32,9 @@ def prefix_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: di
     repository = make_repository(
         root,
         {
-            PLAIN: {},
-            CACHED: {"engine": {"enable_prefix_caching": True}},
-            WITHOUT_IPEX: {"parameters": {"use_ipex": "false"}},
+            PLAIN: {"parameters": {"use_ipex": "true"}},
+            CACHED: {"engine": {"enable_prefix_caching": True}},  # use_ipex auto: on, caching needs it
+            WITHOUT_IPEX: {},  # use_ipex auto: off without prefix caching
         },
     )
     with serving(repository, root / "tritonserver.log") as server:
@@ -65,12 +66,17 @@ def test_prefix_cached_model_streams_the_same_tokens_and_reports_hits(prefix_ser
     assert plain_rate == -1
 
 
-def test_use_ipex_false_serves_without_ipex_and_streams_the_same_greedy_tokens(prefix_server: ServerProcess) -> None:
+def test_use_ipex_auto_serves_without_ipex_unless_prefix_caching_and_the_greedy_tokens_stay(
+    prefix_server: ServerProcess,
+) -> None:
     log = prefix_server.log_path.read_text(errors="replace")
     kernels = dict(re.findall(r"model (\S+) \(.*?\) ready: .*?attention kernels (.*?), drains", log))
     # Each model runs in a stub of its own: turning IPEX off in one leaves the others on it.
-    assert kernels[WITHOUT_IPEX] == "PyTorch SDPA (IPEX turned off by use_ipex)", kernels
-    assert kernels[PLAIN] == "IPEX", kernels
+    assert kernels == {
+        WITHOUT_IPEX: "PyTorch SDPA (IPEX off: use_ipex)",
+        PLAIN: "IPEX",
+        CACHED: "IPEX",
+    }, kernels
     for question in QUESTIONS:
         greedy = [
             grpc_generate(

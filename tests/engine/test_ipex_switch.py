@@ -41,7 +41,7 @@ def test_turned_off_before_vllm_loads_vllm_runs_without_ipex_and_refuses_prefix_
         """
     )
     assert "use_ipex False" in out and "find_spec None" in out
-    assert "kernels PyTorch SDPA (IPEX turned off by use_ipex)" in out
+    assert "kernels PyTorch SDPA (IPEX off: use_ipex)" in out
     assert "enable_prefix_caching=true needs Intel Extension for PyTorch" in out
     assert "config.pbtxt parameter use_ipex is false" in out
 

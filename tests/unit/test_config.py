@@ -66,6 +66,16 @@ def test_true_spellings(text: str) -> None:
     assert settings({"enable_metrics": text}).enable_metrics is True
 
 
+@pytest.mark.parametrize(
+    ("text", "prefix_caching", "expected"),
+    [(None, False, False), (None, True, True), ("AUTO", True, True), ("true", False, True), ("false", True, False)],
+)
+def test_use_ipex_auto_means_only_with_prefix_caching(text: str | None, prefix_caching: bool, expected: bool) -> None:
+    parameters = {} if text is None else {"use_ipex": text}
+    engine_json = {"model": "m", "enable_prefix_caching": prefix_caching}
+    assert settings(parameters, engine_json).use_ipex is expected
+
+
 @pytest.mark.parametrize("value", ["", "  "])
 def test_an_empty_drain_time_means_derived_from_the_exit_timeout(value: str) -> None:
     assert settings({"unload_drain_seconds": value}).unload_drain_seconds is None
@@ -79,7 +89,7 @@ def test_an_empty_drain_time_means_derived_from_the_exit_timeout(value: str) -> 
         ({"stream_interval": "2000"}, "parameter 'stream_interval' must be <= 1024, got 2000"),
         ({"enable_metrics": "sometimes"}, "parameter 'enable_metrics' must be true or false, got 'sometimes'"),
         ({"unload_on_engine_failure": "2"}, "parameter 'unload_on_engine_failure' must be true or false"),
-        ({"use_ipex": "auto"}, "parameter 'use_ipex' must be true or false, got 'auto'"),
+        ({"use_ipex": "sometimes"}, "parameter 'use_ipex' must be true, false or auto, got 'sometimes'"),
         ({"max_n": "many"}, "parameter 'max_n' must be an integer, got 'many'"),
         ({"max_n": "0"}, "parameter 'max_n' must be >= 1, got 0"),
         ({"max_request_bytes": "0"}, "parameter 'max_request_bytes' must be >= 1"),

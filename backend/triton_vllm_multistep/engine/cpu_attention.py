@@ -32,7 +32,7 @@ def attention_kernels() -> str:
         return "the GPU attention backend vLLM chose"
     if ipex_available():
         return "IPEX"
-    return "PyTorch SDPA (IPEX turned off by use_ipex)" if ipex_turned_off() else "PyTorch SDPA (no IPEX)"
+    return "PyTorch SDPA (IPEX off: use_ipex)" if ipex_turned_off() else "PyTorch SDPA (no IPEX)"
 
 
 def ipex_available() -> bool:
@@ -53,7 +53,7 @@ def prefix_caching_refusal(engine_args: EngineArgs, has_ipex: bool) -> str | Non
             return (
                 "enable_prefix_caching=true needs Intel Extension for PyTorch on CPU hosts (vLLM's CPU attention "
                 "runs prefix-cached prefills with it) and config.pbtxt parameter use_ipex is false: set use_ipex "
-                "to true or enable_prefix_caching to false"
+                "to true (or auto, the default) or enable_prefix_caching to false"
             )
         return (
             "enable_prefix_caching=true needs Intel Extension for PyTorch on CPU hosts (vLLM's CPU attention "

@@ -83,9 +83,9 @@ class BackendSettings:
     # How long requests in flight may finish once Triton unloads the model or stops; None: derived
     # from the server's --exit-timeout-secs (see lifecycle/drain.py).
     unload_drain_seconds: float | None = None
-    # config.pbtxt `use_ipex`: false runs vLLM's CPU attention without Intel Extension for PyTorch
-    # even where it is installed (read before vLLM is imported: use_ipex_setting).
-    use_ipex: bool = True
+    # config.pbtxt `use_ipex` resolved (true / false / auto: see use_ipex_setting): false runs vLLM's
+    # CPU attention without Intel Extension for PyTorch even where it is installed.
+    use_ipex: bool = False
     # config.pbtxt `engine_process`: the engine runs in a process of its own (engine/process.py),
     # away from the stub's GIL that builds and sends the responses.
     engine_process: bool = False
@@ -185,9 +185,17 @@ def metrics_setting(params: dict[str, str], engine_json: dict[str, Any]) -> bool
     return enabled
 
 
-def use_ipex_setting(model_config: dict[str, Any]) -> bool:
-    """config.pbtxt `use_ipex` (default true: vLLM uses IPEX on CPU hosts where it is installed)."""
-    return _as_bool("use_ipex", parameter_values(model_config).get("use_ipex", "true"))
+def use_ipex_setting(model_config: dict[str, Any], engine_json: dict[str, Any]) -> bool:
+    """config.pbtxt `use_ipex`: true, false, or auto (the default): IPEX only for a model with
+    prefix caching on, which needs it on CPU; without it, IPEX's decode kernels did not pay in the
+    served benchmark (docs/prefix-caching.md). Read before vLLM is imported (stub/instance.py)."""
+    text = parameter_values(model_config).get("use_ipex", "auto")
+    if text.strip().lower() == "auto":
+        return bool(engine_json.get("enable_prefix_caching"))
+    try:
+        return _as_bool("use_ipex", text)
+    except ConfigError:
+        raise ConfigError(f"config.pbtxt parameter 'use_ipex' must be true, false or auto, got {text!r}") from None
 
 
 def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) -> BackendSettings:
@@ -217,7 +225,7 @@ def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) 
         enable_metrics=metrics_setting(params, engine_json),
         limits=limits,
         unload_on_engine_failure=_as_bool("unload_on_engine_failure", params.get("unload_on_engine_failure", "true")),
-        use_ipex=use_ipex_setting(model_config),
+        use_ipex=use_ipex_setting(model_config, engine_json),
         engine_process=_as_bool("engine_process", params.get("engine_process", "false")),
         unload_drain_seconds=(
             _as_seconds("unload_drain_seconds", params["unload_drain_seconds"])

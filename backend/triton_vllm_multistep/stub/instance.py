@@ -81,7 +81,11 @@ class ModelServer:
 
     def __init__(self, pb_utils: Any, args: dict[str, str]) -> None:
         model_config = json.loads(args["model_config"])
-        if not config.use_ipex_setting(model_config):
+        model_dir = Path(args["model_repository"])
+        engine_json = config.apply_config_engine_args(
+            config.load_engine_json(model_dir, args.get("model_version", "1")), model_config
+        )
+        if not config.use_ipex_setting(model_config, engine_json):
             from triton_vllm_multistep.engine.ipex_switch import turn_ipex_off
 
             turn_ipex_off()  # before the first vLLM import below
@@ -99,10 +103,6 @@ class ModelServer:
         self.model_name = args.get("model_name") or model_config["name"]
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise config.ConfigError("model_transaction_policy { decoupled: true } is required: this backend streams")
-        model_dir = Path(args["model_repository"])
-        engine_json = config.apply_config_engine_args(
-            config.load_engine_json(model_dir, args.get("model_version", "1")), model_config
-        )
         self.settings = config.backend_settings(model_config, engine_json)
         engine_args = config.engine_args(engine_json, model_dir, self.settings)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.settings.cpu_kvcache_space_gib))
