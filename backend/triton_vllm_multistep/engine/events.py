@@ -1,14 +1,16 @@
-"""What crosses from the engine thread to the stub: typed events, no vLLM import.
+"""What crosses from the engine (thread or process) to the stub: typed events, no vLLM import.
 
-Owns the boundary types (a step's outputs, a failed request, a dead engine, KV-cache counts);
-must not import vLLM or torch, so stub-side modules and unit tests can use them cheaply.
+Owns the boundary types (a step's outputs, a failed request, a dead engine, KV-cache counts, the
+built engine's facts) and the surface the stub drives an engine through (EngineRunner); must not
+import vLLM or torch, so stub-side modules and unit tests can use them cheaply.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 # How a multi-step engine hands out tokens: after every decoded step, or once per scheduling
 # window. The name and values of the `stream_mode` config.pbtxt parameter (vLLM's own name for
@@ -81,3 +83,36 @@ class EngineFacts:
 
 
 EngineEvent = StepOutputs | RequestFailed | EngineDied
+
+
+class EngineRunner(Protocol):
+    """What the stub drives: engine.loop.EngineLoop (the engine in a thread of the stub) or
+    engine.process.EngineProcess (the engine in a process of its own); same events, same order."""
+
+    error: str | None  # why the engine failed, once it has
+    torch_threads: int | None  # what the engine runs with, once built
+
+    @property
+    def healthy(self) -> bool: ...
+
+    @property
+    def facts(self) -> EngineFacts: ...
+
+    def start_engine(self) -> object: ...
+
+    def serve(
+        self,
+        sink: Callable[[EngineEvent], None],
+        on_state: Callable[[KvCacheStats], None] | None = None,
+        state_interval: float = 0.25,
+        time_steps: bool = False,
+        on_death: Callable[[str], None] | None = None,
+    ) -> None: ...
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stop(self, timeout: float = ...) -> None: ...
+
+    def shutdown(self) -> None: ...

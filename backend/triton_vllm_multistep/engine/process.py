@@ -95,7 +95,13 @@ class EngineProcess:
         self.stopped = threading.Event()
         self.error: str | None = None
         self.torch_threads: int | None = None
-        self.facts: EngineFacts | None = None
+        self._facts: EngineFacts | None = None
+
+    @property
+    def facts(self) -> EngineFacts:
+        if self._facts is None:
+            raise RuntimeError("the engine is not built")
+        return self._facts
 
     @property
     def healthy(self) -> bool:
@@ -139,8 +145,8 @@ class EngineProcess:
             self._process.wait(30)
             error = message[1]
             raise error if isinstance(error, BaseException) else EngineProcessError(str(error))
-        _, self.facts, self.torch_threads = message
-        return self.facts
+        _, self._facts, self.torch_threads = message
+        return self._facts
 
     def serve(
         self,

@@ -288,8 +288,9 @@ def engine_args(engine_json: dict[str, Any], model_dir: Path, settings: BackendS
     """vLLM `EngineArgs` from model.json: unknown fields refused, paths resolved, defaults filled."""
     from vllm.engine.arg_utils import EngineArgs
 
+    values = engine_args_values(engine_json, model_dir, settings)  # its own errors name what to fix
     try:
-        return EngineArgs(**engine_args_values(engine_json, model_dir, settings))
+        return EngineArgs(**values)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"model.json: {error}") from None
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from triton_vllm_multistep.demo.smollm2 import DemoModelError
+from triton_vllm_multistep.engine.events import EngineRunner
 from triton_vllm_multistep.lifecycle import drain, protocol, triton_command
 from triton_vllm_multistep.stub import codec, config, triton_io
 from triton_vllm_multistep.stub.detokenization import window_decoder
@@ -120,7 +121,7 @@ class ModelServer:
         if self.settings.engine_process:
             from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec
 
-            self.loop: Any = EngineProcess(
+            self.loop: EngineRunner = EngineProcess(
                 EngineSpec(
                     engine_args=config.engine_args_values(engine_json, model_dir, self.settings),
                     stream_mode=engine_mode,
