@@ -21,8 +21,17 @@ def test_the_environment_variable_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     assert python_for_children() == "/opt/py/bin/python3"
 
 
-def test_else_the_python_of_this_version_first_on_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_else_this_interpreter_when_it_is_a_python(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(PYTHON_ENV, raising=False)
+    monkeypatch.setattr(sys, "executable", "/venv/bin/python3.11")
+    assert python_for_children() == "/venv/bin/python3.11"
+
+
+def test_inside_the_triton_stub_the_python_of_this_version_first_on_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(PYTHON_ENV, raising=False)
+    monkeypatch.setattr(sys, "executable", "/opt/tritonserver/backends/python/triton_python_backend_stub")
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     fake = tmp_path / version
     fake.write_text("#!/bin/sh\n")

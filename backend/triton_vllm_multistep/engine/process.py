@@ -63,15 +63,18 @@ class EngineProcessError(RuntimeError):
 def python_for_children() -> str:
     """The interpreter that runs the engine process.
 
-    Inside Triton's stub, `sys.executable` is not a Python that takes `-c` (the stub embeds
-    libpython), so: the TRITON_VLLM_MULTISTEP_PYTHON environment variable, else the python of this
-    version first on PATH (the launcher puts this environment's first), else sys.executable.
+    The TRITON_VLLM_MULTISTEP_PYTHON environment variable, else this interpreter when it is a
+    Python executable, else the python of this version first on PATH (inside Triton's stub,
+    `sys.executable` is not a Python that takes `-m`: the stub embeds libpython; the launcher puts
+    this environment's interpreter first on PATH), else python3.
     """
     chosen = os.environ.get(PYTHON_ENV)
     if chosen:
         return chosen
+    if sys.executable and os.path.basename(sys.executable).startswith("python"):
+        return sys.executable
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    return shutil.which(version) or shutil.which("python3") or sys.executable
+    return shutil.which(version) or shutil.which("python3") or "python3"
 
 
 class EngineProcess:
@@ -117,6 +120,7 @@ class EngineProcess:
         environment = dict(os.environ)
         # This interpreter's import paths (the stub's: the package and its environment's packages).
         environment["PYTHONPATH"] = os.pathsep.join(entry for entry in sys.path if entry)
+        logger.info("starting the vLLM engine process with %s", self._python)
         try:
             self._process = subprocess.Popen(
                 [self._python, "-m", ENTRY_MODULE, str(theirs.fileno())],
