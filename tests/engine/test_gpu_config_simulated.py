@@ -74,9 +74,11 @@ def _build_config(monkeypatch: pytest.MonkeyPatch, args: EngineArgs, stream_mode
     """build_engine up to the point where vLLM would start building workers; the config it built."""
     built: list[VllmConfig] = []
 
-    def capture(cls: type, vllm_config: VllmConfig, **_: Any) -> None:
+    def capture(cls: type, vllm_config: VllmConfig, **_: Any) -> Any:
         assert cls is WindowClosingEngine
         built.append(vllm_config)
+        # What build_engine reads of the engine afterwards (no workers are built here).
+        return types.SimpleNamespace(scheduler=[], model_config=vllm_config.model_config)
 
     monkeypatch.setattr(WindowClosingEngine, "from_vllm_config", classmethod(capture))
     build_engine(args, stream_mode=stream_mode)

@@ -166,7 +166,18 @@ def build_engine(engine_args: EngineArgs, *, stream_mode: StreamMode = "step") -
     EngineBuildError for settings that multi-step cannot run. With prefix caching on, the
     schedulers get the fix for vLLM 0.8.5's stale cached-token count (engine.prefix_cache).
     """
+    from vllm.platforms import current_platform
+
     engine = _build_engine(engine_args, stream_mode)
+    if current_platform.is_cpu() and str(engine.model_config.dtype) == "torch.float16":
+        # vLLM's "auto" turns float32 checkpoints into float16, which its CPU kernels lack: the
+        # first request (or the warm-up) would kill the engine ("reshape_and_cache_cpu_impl" not
+        # implemented for 'Half').
+        engine.model_executor.shutdown()
+        raise EngineBuildError(
+            f"model.json 'dtype' ({engine_args.dtype!r}) resolves to float16, which vLLM cannot run on CPU: "
+            'set "dtype": "float32" or "bfloat16"'
+        )
     for scheduler in engine.scheduler:
         count_cached_tokens_afresh(scheduler)
     return engine

@@ -145,13 +145,6 @@ class ModelServer:
             raise config.ConfigError(f"model {self.model_name}: {error}") from None
         facts = self.loop.facts
         try:
-            if facts.dtype == "torch.float16" and facts.device_type == "cpu":
-                # vLLM's "auto" turns float32 checkpoints into float16, which its CPU kernels lack: the
-                # first request would kill the engine ("reshape_and_cache_cpu_impl" not implemented for 'Half').
-                raise config.ConfigError(
-                    f"model.json 'dtype' ({engine_args.dtype!r}) resolves to float16, which vLLM cannot run on "
-                    'CPU: set "dtype": "float32" or "bfloat16"'
-                )
             self._tokenizer = self._load_tokenizer(engine_args)
             tokenizer_vocab = getattr(self._tokenizer, "max_token_id", len(self._tokenizer) - 1) + 1
             self.limits = codec.ModelLimits(
