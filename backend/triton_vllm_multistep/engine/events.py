@@ -73,8 +73,6 @@ class EngineFacts:
     """What the stub needs to know of the built engine (also sent by an engine process)."""
 
     model: str
-    dtype: str  # e.g. "torch.float32"
-    device_type: str  # "cpu", "cuda", ...
     vocab_size: int
     max_model_len: int
     multimodal: bool

@@ -12,9 +12,10 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import TokensPrompt
 from vllm.outputs import RequestOutput
@@ -29,8 +30,11 @@ from triton_vllm_multistep.engine.events import (
     KvCacheStats,
     RequestFailed,
     StepOutputs,
+    StreamMode,
 )
+from triton_vllm_multistep.engine.factory import build_engine, serving_torch_threads
 from triton_vllm_multistep.engine.prefix_cache import prefix_cache_hit_rate
+from triton_vllm_multistep.engine.warmup import warmed_up
 from triton_vllm_multistep.testing.faults import install_fault_injection
 
 logger = logging.getLogger(__name__)
@@ -51,8 +55,6 @@ def engine_facts(engine: LLMEngine) -> EngineFacts:
     model = engine.model_config
     return EngineFacts(
         model=str(model.model),
-        dtype=str(model.dtype),
-        device_type=str(engine.device_config.device_type),
         vocab_size=int(model.get_vocab_size()),
         max_model_len=int(model.max_model_len),
         multimodal=bool(getattr(model, "is_multimodal_model", False)),
@@ -414,3 +416,16 @@ class EngineLoop:
             new_window=new_window,
             unreturned=unreturned,
         )
+
+
+def serving_loop(
+    engine_args: EngineArgs, stream_mode: StreamMode, user_threads: Mapping[str, str | None]
+) -> EngineLoop:
+    """The EngineLoop a served model runs (in the stub or in an engine process): it builds the engine
+    in its thread, warms it up there (a setting that would fail the first request fails the load)
+    and applies the serving thread policy unless the user chose (`user_threads`, read before the
+    build by factory.thread_choice_of_user)."""
+    return EngineLoop(
+        lambda: warmed_up(build_engine(engine_args, stream_mode=stream_mode), engine_args),
+        lambda engine: serving_torch_threads(model_parameters(engine), user_threads),
+    )

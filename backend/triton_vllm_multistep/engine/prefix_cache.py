@@ -7,14 +7,11 @@ must not otherwise change the cache or the scheduler.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from vllm.sequence import SequenceStatus
 from vllm.utils import Device
-
-logger = logging.getLogger(__name__)
 
 
 def prefix_cache_hit_rate(schedulers: Sequence[Any]) -> float:

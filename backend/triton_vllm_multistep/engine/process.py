@@ -1,5 +1,5 @@
 """The engine in a process of its own (config.pbtxt `engine_process: true`): the stub's side,
-EngineProcess, with EngineLoop's surface, and the child's side, `serve_engine`, joined by two pipes.
+EngineProcess, with EngineLoop's surface, and the child's side, `serve_engine`, joined by a socket pair.
 
 Why: in one process the engine thread (scheduling, pythonization, detokenization) and the
 response thread (building and sending one Triton response per stream per step) share one GIL, so
@@ -95,7 +95,6 @@ class EngineProcess:
         self._in_flight_lock = threading.Lock()
         self._serving = False
         self._stopping = False
-        self.stopped = threading.Event()
         self.error: str | None = None
         self.torch_threads: int | None = None
         self._facts: EngineFacts | None = None
@@ -194,7 +193,6 @@ class EngineProcess:
                 self._process.wait(5)
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(5)
-        self.stopped.set()
 
     def shutdown(self) -> None:
         """EngineLoop's shutdown: here the engine process shuts its executor down when it stops."""
@@ -206,7 +204,7 @@ class EngineProcess:
         try:
             with self._send_lock:
                 self._connection.send(message)
-        except (OSError, ValueError, BrokenPipeError):
+        except (OSError, ValueError):
             # The process is gone: the reader reports its death (once) to every request in flight.
             pass
 
@@ -309,9 +307,8 @@ def serve_engine(connection: Connection) -> None:
             elif message[0] == "stop":
                 break
     finally:
-        loop.stop()
         try:
-            engine.model_executor.shutdown()
+            loop.shutdown()
         finally:
             try:
                 send("stopped", None)
@@ -323,15 +320,9 @@ def _built_loop(spec: EngineSpec, connection: Connection) -> tuple[Any, Any]:
     """(loop, engine) once built and warmed up; (None, None) after sending the build's failure."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from triton_vllm_multistep.engine.factory import build_engine, serving_torch_threads
-    from triton_vllm_multistep.engine.loop import EngineLoop, model_parameters
-    from triton_vllm_multistep.engine.warmup import warmed_up
+    from triton_vllm_multistep.engine.loop import serving_loop
 
-    engine_args = EngineArgs(**spec.engine_args)
-    loop = EngineLoop(
-        lambda: warmed_up(build_engine(engine_args, stream_mode=spec.stream_mode), engine_args),  # type: ignore[arg-type]
-        lambda engine: serving_torch_threads(model_parameters(engine), spec.user_threads),
-    )
+    loop = serving_loop(EngineArgs(**spec.engine_args), spec.stream_mode, spec.user_threads)  # type: ignore[arg-type]
     try:
         engine = loop.start_engine()
     except BaseException as error:

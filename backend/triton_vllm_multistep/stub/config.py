@@ -286,9 +286,13 @@ def apply_config_engine_args(engine_json: dict[str, Any], model_config: dict[str
 
 def engine_args(engine_json: dict[str, Any], model_dir: Path, settings: BackendSettings):
     """vLLM `EngineArgs` from model.json: unknown fields refused, paths resolved, defaults filled."""
+    return to_engine_args(engine_args_values(engine_json, model_dir, settings))
+
+
+def to_engine_args(values: dict[str, Any]):
+    """vLLM `EngineArgs` from engine_args_values(); vLLM's refusals as a load error naming model.json."""
     from vllm.engine.arg_utils import EngineArgs
 
-    values = engine_args_values(engine_json, model_dir, settings)  # its own errors name what to fix
     try:
         return EngineArgs(**values)
     except (TypeError, ValueError) as error:

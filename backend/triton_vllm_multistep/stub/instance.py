@@ -90,14 +90,8 @@ class ModelServer:
             from triton_vllm_multistep.engine.ipex_switch import turn_ipex_off
 
             turn_ipex_off()  # before the first vLLM import below
-        from triton_vllm_multistep.engine.factory import (
-            EngineBuildError,
-            build_engine,
-            serving_torch_threads,
-            thread_choice_of_user,
-        )
-        from triton_vllm_multistep.engine.loop import EngineLoop, model_parameters
-        from triton_vllm_multistep.engine.warmup import warmed_up
+        from triton_vllm_multistep.engine.factory import EngineBuildError, thread_choice_of_user
+        from triton_vllm_multistep.engine.loop import serving_loop
         from triton_vllm_multistep.stub.responder import Responder
 
         self._pb = pb_utils
@@ -105,7 +99,8 @@ class ModelServer:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise config.ConfigError("model_transaction_policy { decoupled: true } is required: this backend streams")
         self.settings = config.backend_settings(model_config, engine_json)
-        engine_args = config.engine_args(engine_json, model_dir, self.settings)
+        engine_values = config.engine_args_values(engine_json, model_dir, self.settings)
+        engine_args = config.to_engine_args(engine_values)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.settings.cpu_kvcache_space_gib))
         parallel = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
         os.environ.update(
@@ -123,21 +118,14 @@ class ModelServer:
 
             self.loop: EngineRunner = EngineProcess(
                 EngineSpec(
-                    engine_args=config.engine_args_values(engine_json, model_dir, self.settings),
+                    engine_args=engine_values,
                     stream_mode=engine_mode,
                     user_threads=user_threads,
                     use_ipex=self.settings.use_ipex,
                 )
             )
         else:
-
-            def torch_threads(engine: Any) -> int | None:
-                return serving_torch_threads(model_parameters(engine), user_threads)
-
-            # Warmed up in the engine thread: a setting that would fail the first request fails the load.
-            self.loop = EngineLoop(
-                lambda: warmed_up(build_engine(engine_args, stream_mode=engine_mode), engine_args), torch_threads
-            )
+            self.loop = serving_loop(engine_args, engine_mode, user_threads)
         try:
             self.loop.start_engine()  # a failed build has ended the engine thread (or process)
         except EngineBuildError as error:
