@@ -10,6 +10,9 @@ the demo model) with the shipped model.json settings and a 1 GiB KV cache:
 2. served, `num_scheduler_steps` 1;
 3. served, steps 8, one response per decoded step (`stream_mode` step);
 4. served, steps 8, one response per scheduling window (`stream_mode` window);
+5. when named with --configs, what users would run instead on the same engine and model (peers,
+   benchmarks/served/peers.py): Triton's vLLM backend (`triton_vllm_backend`, needs
+   --triton-vllm-backend) and `vllm serve` (`vllm_serve`, streaming /v1/completions);
 
 at each concurrency (1, 8, 32, 64 streams by default). One server per configuration, started
 one after the other and all kept running. At each level the waves alternate between them (the
@@ -87,6 +90,14 @@ def main() -> None:
         help="the quickest run through every part (1 stream, 8 tokens, 2 waves; output served-smoke.json): "
         "proves the benchmark works, measures nothing worth keeping",
     )
+    parser.add_argument(
+        "--triton-vllm-backend",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the src/ folder of a triton-inference-server/vllm_backend checkout (r25.05): needed by the "
+        "triton_vllm_backend configuration (Triton's vLLM backend on the same engine, a peer)",
+    )
     parser.add_argument("--skip-offline", action="store_true", help="reuse the offline figures of --output")
     parser.add_argument("--output", type=Path, default=None, help="default benchmarks/results/served.json")
     args = parser.parse_args()
@@ -122,7 +133,14 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="served-bench-") as tmp:
             served = servers.run_served(
-                args.configs, args.concurrency, args.max_tokens, args.wave_scale, Path(tmp), args.model, engines
+                args.configs,
+                args.concurrency,
+                args.max_tokens,
+                args.wave_scale,
+                Path(tmp),
+                args.model,
+                engines,
+                args.triton_vllm_backend,
             )
         if engines is not None:
             offline = engines.results()

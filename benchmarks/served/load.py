@@ -1,6 +1,7 @@
-"""The load generator: waves of concurrent streams over `tritonclient.grpc.aio`, and what they measured.
+"""The load generator: waves of concurrent streams, and what they measured.
 
-Owns the streaming client, the waves of one concurrency level (interleaved across servers, with the
+Owns the streaming clients (`tritonclient.grpc.aio` for Triton servers, streaming `/v1/completions`
+for `vllm serve`), the waves of one concurrency level (interleaved across servers, with the
 offline engines measured between rounds), CPU accounting and the per-level figures; must not start
 or stop servers.
 """
@@ -16,7 +17,6 @@ from typing import Any
 
 from benchmarks.served.offline import OfflineEngines
 from benchmarks.served.settings import MODEL, prompt
-from triton_vllm_multistep.testing.local_server import ServerProcess
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -59,7 +59,7 @@ class RequestRecord:
         return sum(self.counts)
 
 
-def _make_inputs(grpcaio: Any, text: str, sampling: bytes) -> list[Any]:
+def _make_inputs(grpcaio: Any, text: str, sampling: bytes, count_output: str) -> list[Any]:
     import numpy as np
 
     text_input = grpcaio.InferInput("text_input", [1], "BYTES")
@@ -68,42 +68,120 @@ def _make_inputs(grpcaio: Any, text: str, sampling: bytes) -> list[Any]:
     stream.set_data_from_numpy(np.array([True]))
     params = grpcaio.InferInput("sampling_parameters", [1], "BYTES")
     params.set_data_from_numpy(np.array([sampling], dtype=np.object_))
-    return [text_input, stream, params]
+    inputs = [text_input, stream, params]
+    if count_output == "num_output_tokens":  # Triton's vLLM backend sends no token ids: ask for the count
+        wanted = grpcaio.InferInput("return_num_output_tokens", [1], "BOOL")
+        wanted.set_data_from_numpy(np.array([True]))
+        inputs.append(wanted)
+    return inputs
 
 
-async def one_request(client: Any, grpcaio: Any, text: str, sampling: bytes) -> RequestRecord:
-    inputs = _make_inputs(grpcaio, text, sampling)
-    record = RequestRecord(sent=time.perf_counter(), arrivals=[], counts=[])
+def _token_count(response: Any, count_output: str) -> int:
+    """New tokens in one streamed response, from raw bytes (no numpy per response): output_ids holds
+    one INT32 per token; Triton's vLLM backend's num_output_tokens one UINT32 count per sequence."""
+    for index, output in enumerate(response.outputs):
+        if output.name == count_output:
+            raw = response.raw_output_contents[index]
+            return len(raw) // 4 if count_output == "output_ids" else int.from_bytes(raw[:4], "little")
+    return 0
 
-    async def requests():
-        yield {"model_name": MODEL, "inputs": inputs, "enable_empty_final_response": True}
 
-    try:
-        async for result, error in client.stream_infer(requests()):
-            now = time.perf_counter()
-            if error is not None:
-                record.error = str(error)
-                break
-            response = result.get_response()
-            # Token count from the raw INT32 bytes of output_ids: no numpy conversion per response.
-            count = 0
-            for index, output in enumerate(response.outputs):
-                if output.name == "output_ids":
-                    count = len(response.raw_output_contents[index]) // 4
+class TritonStreams:
+    """Streams over `tritonclient.grpc.aio`: this backend (token ids in `output_ids`) and Triton's vLLM
+    backend (`peers.TRITON_VLLM_BACKEND`: a count in `num_output_tokens`), same inputs otherwise."""
+
+    def __init__(self, url: str, max_tokens: int, peer: bool = False) -> None:
+        import tritonclient.grpc.aio as grpcaio
+
+        self._grpcaio = grpcaio
+        self._client = grpcaio.InferenceServerClient(url)
+        self._sampling = json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
+        self._count_output = "num_output_tokens" if peer else "output_ids"
+
+    async def request(self, text: str) -> RequestRecord:
+        inputs = _make_inputs(self._grpcaio, text, self._sampling, self._count_output)
+        record = RequestRecord(sent=time.perf_counter(), arrivals=[], counts=[])
+
+        async def requests():
+            yield {"model_name": MODEL, "inputs": inputs, "enable_empty_final_response": True}
+
+        try:
+            async for result, error in self._client.stream_infer(requests()):
+                now = time.perf_counter()
+                if error is not None:
+                    record.error = str(error)
                     break
-            if count:
-                record.arrivals.append(now)
-                record.counts.append(count)
-            if response.parameters["triton_final_response"].bool_param:
-                break
-    except Exception as error:  # transport errors count as errors, not crashes
-        record.error = f"{type(error).__name__}: {error}"
-    return record
+                response = result.get_response()
+                count = _token_count(response, self._count_output)
+                if count:
+                    record.arrivals.append(now)
+                    record.counts.append(count)
+                if response.parameters["triton_final_response"].bool_param:
+                    break
+        except Exception as error:  # transport errors count as errors, not crashes
+            record.error = f"{type(error).__name__}: {error}"
+        return record
+
+    async def close(self) -> None:
+        await self._client.close()
 
 
-async def run_wave(client: Any, grpcaio: Any, concurrency: int, base: int, sampling: bytes) -> list[RequestRecord]:
+class OpenAIStreams:
+    """Streaming `/v1/completions` of vLLM's OpenAI server (`peers.VLLM_SERVE`), the same prompts and
+    sampling; token counts from the usage vLLM adds to every chunk (`continuous_usage_stats`)."""
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        import aiohttp
+
+        self._url = f"{url}/v1/completions"
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+        self._body = {
+            "model": MODEL,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+
+    async def request(self, text: str) -> RequestRecord:
+        record = RequestRecord(sent=time.perf_counter(), arrivals=[], counts=[])
+        seen = 0
+        try:
+            async with self._session.post(self._url, json={**self._body, "prompt": text}) as response:
+                if response.status != 200:
+                    record.error = f"HTTP {response.status}: {await response.text()}"
+                    return record
+                async for line in response.content:
+                    now = time.perf_counter()
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if not chunk.get("choices"):
+                        continue  # the closing usage-only chunk
+                    total = (chunk.get("usage") or {}).get("completion_tokens", seen)
+                    if total > seen:
+                        record.arrivals.append(now)
+                        record.counts.append(total - seen)
+                        seen = total
+        except Exception as error:
+            record.error = f"{type(error).__name__}: {error}"
+        return record
+
+    async def close(self) -> None:
+        await self._session.close()
+
+
+def streams_for(server: Any, kind: str, max_tokens: int) -> TritonStreams | OpenAIStreams:
+    """The client of one server: `kind` is "backend" (ours) or one of peers.PEER_KINDS."""
+    if kind == "vllm_serve":
+        return OpenAIStreams(server.http_url, max_tokens)
+    return TritonStreams(f"127.0.0.1:{server.grpc_port}", max_tokens, peer=kind == "triton_vllm_backend")
+
+
+async def run_wave(streams: TritonStreams | OpenAIStreams, concurrency: int, base: int) -> list[RequestRecord]:
     """`concurrency` streams started together, each with its own prompt; returns when all ended."""
-    return await asyncio.gather(*(one_request(client, grpcaio, prompt(base + i), sampling) for i in range(concurrency)))
+    return await asyncio.gather(*(streams.request(prompt(base + i)) for i in range(concurrency)))
 
 
 @dataclass
@@ -127,7 +205,8 @@ def _cpu_now(groups: dict[str, list[Any]], me: Any) -> dict[str, float]:
 
 
 async def run_level(
-    servers: dict[str, ServerProcess],
+    servers: dict[str, Any],
+    kinds: dict[str, str],
     concurrency: int,
     waves: int,
     max_tokens: int,
@@ -137,13 +216,11 @@ async def run_level(
     """Waves at one concurrency on every server, interleaved: wave k runs on each configuration in
     turn (the order rotating), then offline on the same prompts, so that the figures a ratio
     compares are taken seconds apart and a shared host's drift hits them alike. Each server's CPU
-    time is counted over its own waves."""
+    time is counted over its own waves. `kinds`: each server's kind ("backend" or a peer's)."""
     import psutil
-    import tritonclient.grpc.aio as grpcaio
 
-    sampling = json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
     names = list(servers)
-    clients = {name: grpcaio.InferenceServerClient(f"127.0.0.1:{servers[name].grpc_port}") for name in names}
+    clients = {name: streams_for(servers[name], kinds[name], max_tokens) for name in names}
     groups = {name: servers[name].process_groups() for name in names}
     me = psutil.Process()
     tallies = {
@@ -152,14 +229,14 @@ async def run_level(
     }
     try:
         for name in names:  # one unmeasured wave each: connections, first-call paths, batch shapes
-            await run_wave(clients[name], grpcaio, concurrency, offset, sampling)
+            await run_wave(clients[name], concurrency, offset)
         for wave in range(waves):
             base = offset + (wave + 1) * concurrency
             for name in names[wave % len(names) :] + names[: wave % len(names)]:
                 tally = tallies[name]
                 before = _cpu_now(groups[name], me)
                 start = time.perf_counter()
-                batch = await run_wave(clients[name], grpcaio, concurrency, base, sampling)
+                batch = await run_wave(clients[name], concurrency, base)
                 elapsed = time.perf_counter() - start
                 after = _cpu_now(groups[name], me)
                 for key in tally.cpu:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.served.settings import CONFIGS, TARGET_CONCURRENCY, TARGETS
+from benchmarks.served.settings import CONFIGS, DEFAULT_MODEL_REFERENCE, TARGET_CONCURRENCY, TARGETS
 
 
 def annotate(results: dict[str, Any]) -> None:
@@ -107,6 +107,7 @@ def annotate(results: dict[str, Any]) -> None:
     merge = served.get("steps8_merge", {}).get(1)
     merge_itl = merge["itl_ms"]["p50"] / step["itl_ms"]["p50"] if merge and step else None
     check("c=1: ITL p50 steps 8 merge / per step", merge_itl, TARGETS["itl_merge_vs_step_at_1"], False)
+    peer_checks(served, results.get("model") == DEFAULT_MODEL_REFERENCE, check)
     for config in results["served"]:
         check(f"start to READY (s), {config['label']}", config["ready_seconds"], TARGETS["ready_seconds"], False)
         check(
@@ -116,6 +117,43 @@ def annotate(results: dict[str, Any]) -> None:
             False,
         )
     results["targets"] = checks
+
+
+# Our configurations compared with each peer: per step (the target's), then the others (information).
+PER_STEP = ("steps8_step", "steps8_step_process")
+COMPARED_WITH_PEERS = (*PER_STEP, "steps8_merge", "steps8_merge_process", "steps8_window")
+
+
+def peer_checks(
+    served: dict[str, dict[int, dict[str, Any]]],
+    demo_model: bool,
+    check: Any,
+) -> None:
+    """Per step over each peer measured in the same run (the better of per step in the stub and in an
+    engine process), against targets.toml's limits; every other configuration as information."""
+    from_level = int(TARGETS["peer_from_concurrency"])
+    for peer in [name for name in served if CONFIGS[name].server != "backend"]:
+        for level in sorted(served[peer]):
+            theirs = served[peer][level]["tokens_per_s"]
+            ours = [served[name][level]["tokens_per_s"] for name in PER_STEP if level in served.get(name, {})]
+            if ours:
+                if CONFIGS[peer].server == "vllm_serve":
+                    limit = TARGETS["steps8_step_vs_vllm_serve"]
+                elif demo_model:
+                    limit = TARGETS["steps8_step_vs_triton_vllm_backend"] if level >= from_level else None
+                elif level == TARGET_CONCURRENCY:
+                    limit = TARGETS["steps8_step_vs_triton_vllm_backend_real_at_target"]
+                else:
+                    limit = TARGETS["steps8_step_vs_triton_vllm_backend_real"]
+                label = f"c={level}: steps 8 per step (best of stub / engine process) / {CONFIGS[peer].label}"
+                if limit is None:
+                    check("(info) " + label, max(ours) / theirs, 1.0, True)
+                else:
+                    check(label, max(ours) / theirs, limit, True)
+            for name in COMPARED_WITH_PEERS:
+                if name not in PER_STEP and level in served.get(name, {}):
+                    ratio = served[name][level]["tokens_per_s"] / theirs
+                    check(f"(info) c={level}: {CONFIGS[name].label} / {CONFIGS[peer].label}", ratio, 1.0, True)
 
 
 def format_table(results: dict[str, Any]) -> str:

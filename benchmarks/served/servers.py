@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.served import load
+from benchmarks.served import load, peers
 from benchmarks.served.offline import OfflineEngines
 from benchmarks.served.settings import CONFIGS, KV_CACHE_GIB, MODEL, SOURCE_MODEL
 from triton_vllm_multistep.testing import local_server
@@ -41,20 +41,20 @@ def start_server(repository: Path, log_path: Path) -> tuple[ServerProcess, float
     )
 
 
-def logged_torch_threads(server: ServerProcess) -> int | None:
+def logged_torch_threads(server: Any) -> int | None:
     """The torch threads the served engine runs with, from the model's ready line in the server log."""
     log = server.log_path.read_text(errors="replace")
     found = re.findall(r"ready: num_scheduler_steps=.*?torch threads (\d+)", log)
     return int(found[-1]) if found else None
 
 
-def logged_attention_kernels(server: ServerProcess) -> str | None:
+def logged_attention_kernels(server: Any) -> str | None:
     """The attention kernels the served engine runs (IPEX or not), from the model's ready line."""
     found = re.findall(r"ready: .*?attention kernels (.*?), drains", server.log_path.read_text(errors="replace"))
     return found[-1] if found else None
 
 
-def memory_of(server: ServerProcess) -> dict[str, float]:
+def memory_of(server: Any) -> dict[str, float]:
     """Resident (RSS) and proportional (PSS) memory of tritonserver + stubs, in GB."""
     rss = pss = 0
     for proc in [p for group in server.process_groups().values() for p in group]:
@@ -67,6 +67,23 @@ def memory_of(server: ServerProcess) -> dict[str, float]:
     return {"rss_gb": rss / 1e9, "pss_gb": pss / 1e9}
 
 
+def start_configuration(
+    name: str, workdir: Path, model: str, triton_vllm_backend: Path | None
+) -> tuple[ServerProcess | peers.OpenAIServer, float]:
+    """The server of one configuration (ours or a peer's); returns it and its seconds to READY."""
+    config = CONFIGS[name]
+    log = workdir / f"{name}.log"
+    if config.server == peers.VLLM_SERVE:
+        return peers.start_vllm_serve(model, log)
+    if config.server == peers.TRITON_VLLM_BACKEND:
+        if triton_vllm_backend is None:
+            raise SystemExit(f"configuration {name} needs --triton-vllm-backend (the vllm_backend repository's src/)")
+        return peers.start_triton_vllm_backend(workdir / name, model, triton_vllm_backend, log)
+    steps, mode = config.num_scheduler_steps, config.stream_mode
+    repository = make_repository(workdir / name, steps, mode, model, config.engine, config.parameters)
+    return start_server(repository, log)
+
+
 def run_served(
     names: list[str],
     concurrencies: list[int],
@@ -75,17 +92,17 @@ def run_served(
     workdir: Path,
     model: str,
     offline: OfflineEngines | None = None,
+    triton_vllm_backend: Path | None = None,
 ) -> list[dict[str, Any]]:
     """One server per configuration, started one after the other (start-up and idle memory are
     measured while the others idle), then every concurrency level on all of them, interleaved."""
-    servers: dict[str, ServerProcess] = {}
+    servers: dict[str, Any] = {}
     served: dict[str, dict[str, Any]] = {}
     try:
         for name in names:
             config = CONFIGS[name]
             label, steps, mode = config.label, config.num_scheduler_steps, config.stream_mode
-            repository = make_repository(workdir / name, steps, mode, model, config.engine, config.parameters)
-            server, ready = start_server(repository, workdir / f"{name}.log")
+            server, ready = start_configuration(name, workdir, model, triton_vllm_backend)
             servers[name] = server
             print(f"{label}: READY after {ready:.1f} s", flush=True)
             time.sleep(3.0)  # let start-up allocations settle before reading idle memory
@@ -94,6 +111,7 @@ def run_served(
                 "label": label,
                 "num_scheduler_steps": steps,
                 "stream_mode": mode,
+                "server": config.server,
                 "ready_seconds": ready,
                 "torch_threads": logged_torch_threads(server),
                 "attention_kernels": logged_attention_kernels(server),
@@ -104,6 +122,7 @@ def run_served(
             levels = asyncio.run(
                 load.run_level(
                     servers,
+                    {name: CONFIGS[name].server for name in names},
                     concurrency,
                     load.waves_for(concurrency, wave_scale),
                     max_tokens,

@@ -38,6 +38,8 @@ class Config:
     prefix_run: bool = False  # measured by the shared-prefix run (--shared-prefix), not the main one
     parameters: dict[str, str] = field(default_factory=dict)  # config.pbtxt parameters besides stream_mode
     in_default_run: bool = True  # false: measured only when named with --configs
+    # "backend" (this project) or a peer users would run instead (benchmarks/served/peers.py).
+    server: str = "backend"
 
 
 _TABLES = tomllib.loads((Path(__file__).with_name("targets.toml")).read_text())

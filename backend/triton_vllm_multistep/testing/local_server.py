@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from triton_vllm_multistep.engine.process import ENTRY_MODULE as ENGINE_PROCESS_MODULE
 from triton_vllm_multistep.lifecycle import procfs, triton_command
 
 
@@ -114,7 +113,8 @@ class ServerProcess:
 
     def process_groups(self) -> dict[str, list[Any]]:
         """Live tritonserver, Python backend stub (where the engines run) and engine processes (models
-        with `engine_process: true`), as psutil processes."""
+        with `engine_process: true`, or any other process below the server, e.g. the engine process
+        of Triton's vLLM backend), as psutil processes."""
         groups: dict[str, list[int]] = {"tritonserver": [], "stub": [], "engine": []}
         for pid in procfs.descendants(self.process.pid):
             argv = procfs.cmdline(pid)
@@ -124,7 +124,7 @@ class ServerProcess:
                 groups["stub"].append(pid)
             elif triton_command.is_tritonserver(argv):
                 groups["tritonserver"].append(pid)
-            elif ENGINE_PROCESS_MODULE in argv:
+            else:
                 groups["engine"].append(pid)
         return {kind: _as_psutil(pids) for kind, pids in groups.items()}
 
