@@ -1,6 +1,6 @@
-"""`engine_process: true` through the real server: the engine runs in a process of its own, the
-stream is the same one-response-per-step stream as with the engine in the stub, and a dead engine
-process fails its requests and its model alone.
+"""`engine_process` through the real server: by default the engine runs in a process of its own, the
+stream is the same one-response-per-step stream as with the engine in the stub (`engine_process:
+false`), and a dead engine process fails its requests and its model alone.
 
 Owns the served engine-process checks; must not assert on timings.
 """
@@ -29,7 +29,7 @@ ENGINE_PROCESS_MODULE = "triton_vllm_multistep.engine.process"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> Iterator[ServerProcess]:
     root: Path = tmp_path_factory.mktemp("engine_process")
-    repository = make_repository(root, {IN_STUB: {}, OWN_PROCESS: {"parameters": {"engine_process": "true"}}})
+    repository = make_repository(root, {IN_STUB: {"parameters": {"engine_process": "false"}}, OWN_PROCESS: {}})
     with serving(repository, root / "tritonserver.log") as running:
         yield running
 
@@ -49,7 +49,8 @@ def _engine_processes(server: ServerProcess) -> list[psutil.Process]:
 def test_the_engine_runs_in_its_own_process_and_streams_what_the_stub_engine_streams(server: ServerProcess) -> None:
     log = server.log_path.read_text(errors="replace")
     assert re.search(rf"model {OWN_PROCESS} \(.*?\) ready: .*engine in a process of its own", log)
-    assert len(_engine_processes(server)) == 1  # only the model that asked for it
+    assert re.search(rf"model {IN_STUB} \(.*?\) ready: .*engine in the stub", log)
+    assert len(_engine_processes(server)) == 1  # the default; not the model that set engine_process false
     for prompt in PROMPTS:
         for sampling in ({"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 5}):
             want = _generate(server, IN_STUB, prompt, **sampling)

@@ -79,7 +79,8 @@ def check(outcomes: list) -> dict[str, int]:
 def rss_mb(server) -> float:
     processes = [p for p in stub_processes(server) if f"/{LLM_MODEL}/" in " ".join(p.cmdline()[1:2])]
     assert len(processes) == 1, processes
-    processes += server.process_groups()["tritonserver"]
+    groups = server.process_groups()
+    processes += groups["tritonserver"] + groups["engine"]  # the engine runs in a process of its own by default
     total = 0
     for process in processes:
         try:

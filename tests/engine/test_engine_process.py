@@ -171,3 +171,48 @@ def test_a_refused_setting_is_raised_in_the_stub_as_the_build_error() -> None:
     with pytest.raises(EngineBuildError, match="pipeline"):
         process.start_engine()
     assert process._process is not None and process._process.poll() is not None
+
+
+def _no_python_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a host without a Python for the engine process (tests/unit covers finding one)."""
+    from triton_vllm_multistep.engine import process
+
+    monkeypatch.setattr(process, "python_for_children", lambda: None)
+
+
+def test_by_default_a_host_without_a_python_for_it_gets_the_engine_in_the_stub(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from triton_vllm_multistep.stub import config
+    from triton_vllm_multistep.stub.instance import start_engine_runner
+
+    _no_python_here(monkeypatch)
+    settings = config.BackendSettings()  # engine_process auto
+    values = _fields()
+    backend_logger = logging.getLogger("triton_vllm_multistep")  # does not propagate (the stub's log)
+    backend_logger.addHandler(caplog.handler)
+    try:
+        runner = start_engine_runner(settings, values, config.to_engine_args(values), {}, "llm")
+    finally:
+        backend_logger.removeHandler(caplog.handler)
+    try:
+        assert isinstance(runner, EngineLoop) and runner.facts.num_scheduler_steps == STEPS
+        assert "model llm: the engine runs in the stub (engine_process auto): could not start" in caplog.text
+    finally:
+        runner.shutdown()
+
+
+def test_engine_process_true_without_a_python_for_it_is_a_load_error_saying_what_to_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from triton_vllm_multistep.engine.process import PYTHON_ENV
+    from triton_vllm_multistep.stub import config
+    from triton_vllm_multistep.stub.instance import start_engine_runner
+
+    _no_python_here(monkeypatch)
+    settings = config.BackendSettings(engine_process_required=True)
+    values = _fields()
+    with pytest.raises(config.ConfigError, match=f"model llm: engine_process is true but .* set {PYTHON_ENV}"):
+        start_engine_runner(settings, values, config.to_engine_args(values), {}, "llm")

@@ -40,7 +40,7 @@ def test_every_smoke_check_passes_on_the_cpu_engine_from_the_shipped_cpu_config(
     assert engine_args.dtype == "float32" and settings.stream_mode == "step"
     report = gpu_smoke.run_smoke(engine_args)
     assert [c.name for c in report.checks if not c.passed] == []
-    assert len(report.checks) == 7
+    assert len(report.checks) == 8
     assert report.engine["engine"] == "CPUMultiStepEngine"
     assert report.engine["attention_backend"] == "TORCH_SDPA" and report.engine["num_scheduler_steps"] == 8
     assert not report.engine["cuda_graphs_requested"]

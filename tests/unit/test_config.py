@@ -76,6 +76,17 @@ def test_use_ipex_auto_means_only_with_prefix_caching(text: str | None, prefix_c
     assert settings(parameters, engine_json).use_ipex is expected
 
 
+@pytest.mark.parametrize(
+    ("text", "in_process", "required"),
+    [(None, True, False), ("", True, False), (" Auto ", True, False), ("true", True, True), ("off", False, False)],
+)
+def test_engine_process_defaults_to_auto_and_only_true_requires_it(
+    text: str | None, in_process: bool, required: bool
+) -> None:
+    read = settings({} if text is None else {"engine_process": text})
+    assert (read.engine_process, read.engine_process_required) == (in_process, required)
+
+
 @pytest.mark.parametrize("value", ["", "  "])
 def test_an_empty_drain_time_means_derived_from_the_exit_timeout(value: str) -> None:
     assert settings({"unload_drain_seconds": value}).unload_drain_seconds is None
@@ -90,6 +101,7 @@ def test_an_empty_drain_time_means_derived_from_the_exit_timeout(value: str) -> 
         ({"enable_metrics": "sometimes"}, "parameter 'enable_metrics' must be true or false, got 'sometimes'"),
         ({"unload_on_engine_failure": "2"}, "parameter 'unload_on_engine_failure' must be true or false"),
         ({"use_ipex": "sometimes"}, "parameter 'use_ipex' must be true, false or auto, got 'sometimes'"),
+        ({"engine_process": "maybe"}, "parameter 'engine_process' must be true, false or auto, got 'maybe'"),
         ({"max_n": "many"}, "parameter 'max_n' must be an integer, got 'many'"),
         ({"max_n": "0"}, "parameter 'max_n' must be >= 1, got 0"),
         ({"max_request_bytes": "0"}, "parameter 'max_request_bytes' must be >= 1"),

@@ -12,6 +12,7 @@ from triton_vllm_multistep.engine.process import (
     EngineProcess,
     EngineProcessError,
     EngineSpec,
+    NoPythonForEngineProcess,
     python_for_children,
 )
 
@@ -40,7 +41,21 @@ def test_inside_the_triton_stub_the_python_of_this_version_first_on_path(
     assert python_for_children() == str(fake)
 
 
+def test_inside_the_stub_without_a_python_of_this_version_there_is_none(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv(PYTHON_ENV, raising=False)
+    monkeypatch.setattr(sys, "executable", "/opt/tritonserver/backends/python/triton_python_backend_stub")
+    (tmp_path / "python3").write_text("#!/bin/sh\n")  # another version would not load this environment
+    (tmp_path / "python3").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert python_for_children() is None
+    with pytest.raises(NoPythonForEngineProcess, match=f"no python.* on PATH and {PYTHON_ENV} is not set"):
+        EngineProcess(EngineSpec({"model": "m"}, "step")).start_engine()
+
+
 def test_a_python_that_cannot_start_is_an_error_saying_what_to_set() -> None:
     process = EngineProcess(EngineSpec({"model": "m"}, "step"), python="/nonexistent/python3")
-    with pytest.raises(EngineProcessError, match=f"set {PYTHON_ENV} to a Python"):
+    with pytest.raises(NoPythonForEngineProcess, match=f"set {PYTHON_ENV} to a Python"):
         process.start_engine()
+    assert issubclass(NoPythonForEngineProcess, EngineProcessError)

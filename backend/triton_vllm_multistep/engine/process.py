@@ -60,21 +60,33 @@ class EngineProcessError(RuntimeError):
     """The engine process failed to start or to build its engine (the message carries its error)."""
 
 
-def python_for_children() -> str:
-    """The interpreter that runs the engine process.
+class NoPythonForEngineProcess(EngineProcessError):
+    """No Python could start the engine process (none found, or it would not start)."""
+
+
+def python_for_children() -> str | None:
+    """The interpreter that runs the engine process, or None if there is none.
 
     The TRITON_VLLM_MULTISTEP_PYTHON environment variable, else this interpreter when it is a
     Python executable, else the python of this version first on PATH (inside Triton's stub,
     `sys.executable` is not a Python that takes `-m`: the stub embeds libpython; the launcher puts
-    this environment's interpreter first on PATH), else python3.
+    this environment's interpreter first on PATH). Another version would not load this
+    environment's compiled packages, so none is tried.
     """
     chosen = os.environ.get(PYTHON_ENV)
     if chosen:
         return chosen
     if sys.executable and os.path.basename(sys.executable).startswith("python"):
         return sys.executable
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    return shutil.which(version) or shutil.which("python3") or "python3"
+    return shutil.which(f"python{sys.version_info.major}.{sys.version_info.minor}")
+
+
+def _no_python_message(detail: str) -> str:
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return (
+        f"could not start the engine process ({detail}): set {PYTHON_ENV} to a Python {version} that has "
+        "this environment's packages"
+    )
 
 
 class EngineProcess:
@@ -83,7 +95,7 @@ class EngineProcess:
 
     def __init__(self, spec: EngineSpec, python: str | None = None) -> None:
         self._spec = spec
-        self._python = python or python_for_children()
+        self._python = python or python_for_children()  # None: start_engine raises NoPythonForEngineProcess
         self._process: subprocess.Popen[bytes] | None = None
         self._connection: Connection | None = None
         self._send_lock = threading.Lock()
@@ -114,7 +126,11 @@ class EngineProcess:
         return None if self._process is None else self._process.pid
 
     def start_engine(self) -> EngineFacts:
-        """Start the process and wait until it has built (and warmed up) the engine; raises its failure."""
+        """Start the process and wait until it has built (and warmed up) the engine; raises its failure
+        (NoPythonForEngineProcess when no Python could start it)."""
+        if self._python is None:
+            version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+            raise NoPythonForEngineProcess(_no_python_message(f"no {version} on PATH and {PYTHON_ENV} is not set"))
         ours, theirs = socket.socketpair()
         environment = dict(os.environ)
         # This interpreter's import paths (the stub's: the package and its environment's packages).
@@ -129,10 +145,7 @@ class EngineProcess:
             )
         except OSError as error:
             ours.close()
-            raise EngineProcessError(
-                f"could not start the engine process with {self._python!r} ({error}): set {PYTHON_ENV} to a "
-                f"Python {sys.version_info.major}.{sys.version_info.minor} that has this environment's packages"
-            ) from None
+            raise NoPythonForEngineProcess(_no_python_message(f"{self._python!r}: {error}")) from None
         finally:
             theirs.close()
         self._connection = Connection(ours.detach())

@@ -86,9 +86,12 @@ class BackendSettings:
     # config.pbtxt `use_ipex` resolved (true / false / auto: see use_ipex_setting): false runs vLLM's
     # CPU attention without Intel Extension for PyTorch even where it is installed.
     use_ipex: bool = False
-    # config.pbtxt `engine_process`: the engine runs in a process of its own (engine/process.py),
-    # away from the stub's GIL that builds and sends the responses.
-    engine_process: bool = False
+    # config.pbtxt `engine_process` (true / false / auto, the default): the engine runs in a process
+    # of its own (engine/process.py), away from the stub's GIL that builds and sends the responses.
+    # `auto` is true where a Python to run it is found, else the engine runs in the stub (logged);
+    # an explicit true without one is a load error (engine_process_required).
+    engine_process: bool = True
+    engine_process_required: bool = False
 
 
 def parameter_values(model_config: dict[str, Any]) -> dict[str, str]:
@@ -218,6 +221,7 @@ def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) 
             "max_request_bytes", params.get("max_request_bytes", str(defaults.max_request_bytes)), 1
         ),
     )
+    engine_process = engine_process_setting(params)
     return BackendSettings(
         stream_mode=stream_mode,
         stream_interval=stream_interval_setting(params),
@@ -226,13 +230,27 @@ def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) 
         limits=limits,
         unload_on_engine_failure=_as_bool("unload_on_engine_failure", params.get("unload_on_engine_failure", "true")),
         use_ipex=use_ipex_setting(model_config, engine_json),
-        engine_process=_as_bool("engine_process", params.get("engine_process", "false")),
+        engine_process=engine_process != "false",
+        engine_process_required=engine_process == "true",
         unload_drain_seconds=(
             _as_seconds("unload_drain_seconds", params["unload_drain_seconds"])
             if params.get("unload_drain_seconds", "").strip()
             else None
         ),
     )
+
+
+def engine_process_setting(params: dict[str, str]) -> str:
+    """config.pbtxt `engine_process`: "true", "false" or "auto" (the default; empty is auto)."""
+    text = params.get("engine_process", "")
+    value = text.strip().lower() or "auto"
+    if value == "auto":
+        return value
+    try:
+        return "true" if _as_bool("engine_process", value) else "false"
+    except ConfigError:
+        message = f"config.pbtxt parameter 'engine_process' must be true, false or auto, got {text!r}"
+        raise ConfigError(message) from None
 
 
 def load_engine_json(model_dir: Path, version: str | int) -> dict[str, Any]:

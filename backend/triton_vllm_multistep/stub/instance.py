@@ -77,6 +77,41 @@ def auto_complete(auto_config: Any) -> Any:
     return auto_config
 
 
+def start_engine_runner(
+    settings: config.BackendSettings,
+    engine_values: dict[str, Any],
+    engine_args: Any,
+    user_threads: dict[str, str | None],
+    model_name: str,
+) -> EngineRunner:
+    """Build the model's engine where config.pbtxt `engine_process` says and return its runner, built.
+
+    In a process of its own (the default) unless `engine_process` is false; with the default (auto),
+    a host where no Python can start that process gets the engine in the stub instead, with a
+    warning saying what to set; an explicit `true` makes that a load error. Raises what the build
+    raised (EngineBuildError for settings this backend refuses).
+    """
+    from triton_vllm_multistep.engine.loop import serving_loop
+    from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec, NoPythonForEngineProcess
+
+    engine_mode = config.engine_stream_mode(settings.stream_mode)
+    if settings.engine_process:
+        spec = EngineSpec(engine_values, engine_mode, user_threads=user_threads, use_ipex=settings.use_ipex)
+        runner = EngineProcess(spec)
+        try:
+            runner.start_engine()
+            return runner
+        except NoPythonForEngineProcess as error:
+            if settings.engine_process_required:
+                raise config.ConfigError(f"model {model_name}: engine_process is true but {error}") from None
+            logger.warning(
+                "vllm_multistep: model %s: the engine runs in the stub (engine_process auto): %s", model_name, error
+            )
+    runner = serving_loop(engine_args, engine_mode, user_threads)
+    runner.start_engine()  # a failed build has ended the engine thread
+    return runner
+
+
 class ModelServer:
     """Everything one Triton model instance runs."""
 
@@ -91,7 +126,6 @@ class ModelServer:
 
             turn_ipex_off()  # before the first vLLM import below
         from triton_vllm_multistep.engine.factory import EngineBuildError, thread_choice_of_user
-        from triton_vllm_multistep.engine.loop import serving_loop
         from triton_vllm_multistep.stub.responder import Responder
 
         self._pb = pb_utils
@@ -112,25 +146,16 @@ class ModelServer:
         self._server_command = triton_command.of_process(os.getppid())
 
         user_threads = thread_choice_of_user()  # before the build: vLLM sets OMP_NUM_THREADS during it
-        engine_mode = config.engine_stream_mode(self.settings.stream_mode)
-        if self.settings.engine_process:
-            from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec
-
-            self.loop: EngineRunner = EngineProcess(
-                EngineSpec(
-                    engine_args=engine_values,
-                    stream_mode=engine_mode,
-                    user_threads=user_threads,
-                    use_ipex=self.settings.use_ipex,
-                )
-            )
-        else:
-            self.loop = serving_loop(engine_args, engine_mode, user_threads)
         try:
-            self.loop.start_engine()  # a failed build has ended the engine thread (or process)
+            self.loop: EngineRunner = start_engine_runner(
+                self.settings, engine_values, engine_args, user_threads, self.model_name
+            )
         except EngineBuildError as error:
             # Settings this backend refuses: a load error naming them, not a trace into the engine.
             raise config.ConfigError(f"model {self.model_name}: {error}") from None
+        from triton_vllm_multistep.engine.process import EngineProcess
+
+        self.engine_in_process = isinstance(self.loop, EngineProcess)
         facts = self.loop.facts
         try:
             self._tokenizer = self._load_tokenizer(engine_args)
@@ -202,7 +227,8 @@ class ModelServer:
             }[self.settings.stream_mode]
             + (f", every {self.settings.stream_interval} engine outputs" if self.settings.stream_interval > 1 else ""),
             self.loop.torch_threads,
-            facts.attention_kernels + (", engine in a process of its own" if self.settings.engine_process else ""),
+            facts.attention_kernels
+            + (", engine in a process of its own" if self.engine_in_process else ", engine in the stub"),
             self.drain.drain_seconds,
         )
 

@@ -4,7 +4,9 @@ Owns the checks a user runs once on a GPU host (scripts/gpu_smoke.sh; docs/gpu.m
 engine exactly as the backend does (model.json + the config's engine_args → stub.config →
 engine.factory.build_engine, driven by engine.loop.EngineLoop), then check per-step streaming,
 the final output, cancelling mid-window and the first token after an idle period, and report the
-attention backend, CUDA graphs and async output processing vLLM uses. `--cpu` runs the same
+attention backend, CUDA graphs and async output processing vLLM uses. First, the same engine in
+a process of its own (engine.process, the backend's default) streams one request; its tokens must
+be the in-process engine's. `--cpu` runs the same
 checks on the CPU engine (what tests/engine/test_gpu_smoke_cpu.py runs). Must not start Triton,
 and refuses to run without a GPU unless `--cpu` is given. Takes well under 10 minutes on one GPU.
 """
@@ -12,6 +14,7 @@ and refuses to run without a GPU unless `--cpu` is given. Takes well under 10 mi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import queue
@@ -138,6 +141,33 @@ class _Collector:
         return collected
 
 
+def stream_in_engine_process(engine_args: Any, request_id: str, prompt: list[int], params: Any) -> list[list[int]]:
+    """One streamed request through the engine in a process of its own (the backend's default), as
+    the stub drives it; returns its per-output token deltas. The process exits before this returns,
+    so its device memory is free for the in-process engine."""
+    from triton_vllm_multistep.engine.events import StepOutputs
+    from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec
+
+    values = {item.name: getattr(engine_args, item.name) for item in dataclasses.fields(engine_args)}
+    runner = EngineProcess(EngineSpec(values, "step"))
+    runner.start_engine()
+    events: queue.Queue[Any] = queue.Queue()
+    deltas: list[list[int]] = []
+    try:
+        runner.serve(events.put)
+        runner.submit(request_id, prompt, params)
+        while True:
+            event = events.get(timeout=WAIT_SECONDS)
+            if not isinstance(event, StepOutputs):
+                raise RuntimeError(f"the engine process reported {event}")
+            mine = [output for output in event.outputs if output.request_id == request_id]
+            deltas += [list(output.outputs[0].token_ids) for output in mine]
+            if any(output.finished for output in mine):
+                return deltas
+    finally:
+        runner.stop()
+
+
 def run_smoke(engine_args: Any) -> SmokeReport:
     """Build the engine as the backend does and run every check; the report says what passed."""
     from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -147,6 +177,15 @@ def run_smoke(engine_args: Any) -> SmokeReport:
     from triton_vllm_multistep.engine.loop import EngineLoop
 
     report = SmokeReport()
+    prompt = [1, 5, 9, 12, 20, 33, 47]
+    tokens = 3 * engine_args.num_scheduler_steps + 2  # several windows, one partial
+
+    def params(max_tokens: int, kind: RequestOutputKind = RequestOutputKind.DELTA) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=kind)
+
+    started = time.perf_counter()
+    process_deltas = stream_in_engine_process(engine_args, "process-stream", prompt, params(tokens))
+    report.figures["engine_process_seconds"] = time.perf_counter() - started
     started = time.perf_counter()
     loop = EngineLoop(lambda: build_engine(engine_args, stream_mode="step"))
     engine = loop.start_engine()
@@ -158,10 +197,6 @@ def run_smoke(engine_args: Any) -> SmokeReport:
         report.check("multi-step", steps > 1, f"num_scheduler_steps={steps}, worker {report.engine['worker']}")
         collector = _Collector(engine)
         loop.serve(collector.sink)
-        prompt = [1, 5, 9, 12, 20, 33, 47]
-
-        def params(max_tokens: int, kind: RequestOutputKind = RequestOutputKind.DELTA) -> SamplingParams:
-            return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=kind)
 
         # 1. A fresh request from an idle engine: its first token costs one forward pass.
         loop.submit("warm-up", prompt, params(2))
@@ -173,7 +208,6 @@ def run_smoke(engine_args: Any) -> SmokeReport:
         report.figures["ttft_idle_ms"] = (first[2] - submitted) * 1000
 
         # 2. Streaming: K tokens over several windows (one partial) → K outputs of one token each.
-        tokens = 3 * steps + 2
         loop.submit("stream", prompt, params(tokens))
         streamed = collector.outputs_of("stream")
         deltas = [list(o.outputs[0].token_ids) for o, _, _ in streamed]
@@ -197,6 +231,12 @@ def run_smoke(engine_args: Any) -> SmokeReport:
             "streamed deltas join to the non-streamed result",
             joined == whole_tokens and len(joined) == tokens,
             f"{len(joined)} streamed tokens, {len(whole_tokens)} non-streamed, equal={joined == whole_tokens}",
+        )
+        report.check(
+            "the engine in a process of its own streams the same steps",
+            process_deltas == deltas,
+            f"{len(process_deltas)} outputs from the engine process, {len(deltas)} in-process, "
+            f"equal={process_deltas == deltas}",
         )
 
         # 3. Cancel mid-window: the engine frees the request's blocks and closes its window.
