@@ -186,20 +186,22 @@ def test_by_default_a_host_without_a_python_for_it_gets_the_engine_in_the_stub(
     import logging
 
     from triton_vllm_multistep.stub import config
-    from triton_vllm_multistep.stub.instance import start_engine_runner
+    from triton_vllm_multistep.stub.instance import launch_engine_process, start_engine_runner
 
     _no_python_here(monkeypatch)
     settings = config.BackendSettings()  # engine_process auto
-    values = _fields()
     backend_logger = logging.getLogger("triton_vllm_multistep")  # does not propagate (the stub's log)
     backend_logger.addHandler(caplog.handler)
     try:
-        runner = start_engine_runner(settings, values, config.to_engine_args(values), {}, "llm")
+        process = launch_engine_process(settings, "llm")
     finally:
         backend_logger.removeHandler(caplog.handler)
+    assert process is None
+    assert "model llm: the engine runs in the stub (engine_process auto): could not start" in caplog.text
+    values = _fields()
+    runner = start_engine_runner(settings, values, config.to_engine_args(values), {}, process)
     try:
         assert isinstance(runner, EngineLoop) and runner.facts.num_scheduler_steps == STEPS
-        assert "model llm: the engine runs in the stub (engine_process auto): could not start" in caplog.text
     finally:
         runner.shutdown()
 
@@ -209,10 +211,40 @@ def test_engine_process_true_without_a_python_for_it_is_a_load_error_saying_what
 ) -> None:
     from triton_vllm_multistep.engine.process import PYTHON_ENV
     from triton_vllm_multistep.stub import config
-    from triton_vllm_multistep.stub.instance import start_engine_runner
+    from triton_vllm_multistep.stub.instance import launch_engine_process
 
     _no_python_here(monkeypatch)
     settings = config.BackendSettings(engine_process_required=True)
-    values = _fields()
     with pytest.raises(config.ConfigError, match=f"model llm: engine_process is true but .* set {PYTHON_ENV}"):
-        start_engine_runner(settings, values, config.to_engine_args(values), {}, "llm")
+        launch_engine_process(settings, "llm")
+
+
+def test_launched_early_it_builds_once_given_the_spec_and_stops_at_once_without_one() -> None:
+    """The stub launches the process before its own vLLM import and sends the spec when ready; a
+    load that fails in between stops a process that never got anything to build."""
+    from triton_vllm_multistep.stub import config
+    from triton_vllm_multistep.stub.instance import launch_engine_process, start_engine_runner
+
+    settings = config.BackendSettings(use_ipex=False)
+    unused = launch_engine_process(settings, "llm")
+    assert unused is not None and unused.pid is not None
+    unused.stop()
+    assert unused._process is not None and unused._process.returncode is not None
+
+    process = launch_engine_process(settings, "llm")
+    values = _fields()
+    runner = start_engine_runner(settings, values, config.to_engine_args(values), {}, process)
+    try:
+        assert runner is process and process.facts.num_scheduler_steps == STEPS
+        assert process.facts.attention_kernels.startswith("PyTorch SDPA")  # launched with IPEX off
+    finally:
+        process.stop()
+
+
+def test_a_spec_that_disagrees_with_the_launch_on_ipex_is_refused_naming_it() -> None:
+    process = EngineProcess()
+    process.launch(use_ipex=False)
+    process.spec = EngineSpec(_fields(), "step", use_ipex=True)
+    with pytest.raises(Exception, match="the engine process was started with use_ipex=False"):
+        process.start_engine()
+    process.stop()

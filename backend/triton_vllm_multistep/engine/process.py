@@ -1,4 +1,4 @@
-"""The engine in a process of its own (config.pbtxt `engine_process: true`): the stub's side,
+"""The engine in a process of its own (config.pbtxt `engine_process`, on by default): the stub's side,
 EngineProcess, with EngineLoop's surface, and the child's side, `serve_engine`, joined by a socket pair.
 
 Why: in one process the engine thread (scheduling, pythonization, detokenization) and the
@@ -6,10 +6,13 @@ response thread (building and sending one Triton response per stream per step) s
 every response built is engine time lost once many streams run (vLLM's own server runs its
 engine in a process of its own for the same reason, MQLLMEngine). Here the child runs an
 ordinary EngineLoop; its events cross as pickles and reach the stub's sink in the same order.
+The stub may launch the child before it has the engine's settings (`launch`): the child turns
+IPEX off or not and imports vLLM while the stub imports its own, then builds what `start_engine`
+sends.
 
 Owns starting, feeding, watching and stopping the engine process, and the messages between the
-two sides; must not know Triton. Imports no vLLM at module level: the child unpickles its target
-from here before it may turn IPEX off.
+two sides; must not know Triton. Imports no vLLM at module level: the stub imports it before it
+may turn IPEX off, and the child runs it before it does.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ STOP_SECONDS = 20.0
 PYTHON_ENV = "TRITON_VLLM_MULTISTEP_PYTHON"
 # `python -m ENTRY_MODULE FD` runs an engine process (tools find engine processes by it too).
 ENTRY_MODULE = "triton_vllm_multistep.engine.process"
+# Its second argument: whether IPEX may load in it (use_ipex), known before the spec is.
+IPEX_ARGUMENT = {True: "ipex", False: "no-ipex"}
 
 
 @dataclass(frozen=True)
@@ -93,8 +98,8 @@ class EngineProcess:
     """EngineLoop's surface (start_engine, serve, submit, abort, stop, healthy, error, torch_threads),
     with the engine in a child process. Events reach `sink` from one reader thread, in order."""
 
-    def __init__(self, spec: EngineSpec, python: str | None = None) -> None:
-        self._spec = spec
+    def __init__(self, spec: EngineSpec | None = None, python: str | None = None) -> None:
+        self.spec = spec  # what start_engine sends; may be set after launch()
         self._python = python or python_for_children()  # None: start_engine raises NoPythonForEngineProcess
         self._process: subprocess.Popen[bytes] | None = None
         self._connection: Connection | None = None
@@ -110,6 +115,7 @@ class EngineProcess:
         self.error: str | None = None
         self.torch_threads: int | None = None
         self._facts: EngineFacts | None = None
+        self._spec_sent = False
 
     @property
     def facts(self) -> EngineFacts:
@@ -125,9 +131,10 @@ class EngineProcess:
     def pid(self) -> int | None:
         return None if self._process is None else self._process.pid
 
-    def start_engine(self) -> EngineFacts:
-        """Start the process and wait until it has built (and warmed up) the engine; raises its failure
-        (NoPythonForEngineProcess when no Python could start it)."""
+    def launch(self, use_ipex: bool) -> None:
+        """Start the process now, before the spec is ready: it turns IPEX off or not and imports vLLM
+        while the stub does its own imports (start_engine sends the spec). Raises
+        NoPythonForEngineProcess when no Python can start it."""
         if self._python is None:
             version = f"python{sys.version_info.major}.{sys.version_info.minor}"
             raise NoPythonForEngineProcess(_no_python_message(f"no {version} on PATH and {PYTHON_ENV} is not set"))
@@ -138,7 +145,7 @@ class EngineProcess:
         logger.info("starting the vLLM engine process with %s", self._python)
         try:
             self._process = subprocess.Popen(
-                [self._python, "-m", ENTRY_MODULE, str(theirs.fileno())],
+                [self._python, "-m", ENTRY_MODULE, str(theirs.fileno()), IPEX_ARGUMENT[use_ipex]],
                 pass_fds=[theirs.fileno()],
                 env=environment,
                 stdin=subprocess.DEVNULL,
@@ -149,7 +156,18 @@ class EngineProcess:
         finally:
             theirs.close()
         self._connection = Connection(ours.detach())
-        self._send(("spec", self._spec))
+
+    def start_engine(self) -> EngineFacts:
+        """Send the spec (launching the process first unless launch() did) and wait until it has built
+        (and warmed up) the engine; raises its failure (NoPythonForEngineProcess when no Python could
+        start it)."""
+        if self.spec is None:
+            raise RuntimeError("EngineProcess.start_engine needs a spec")
+        if self._process is None:
+            self.launch(self.spec.use_ipex)
+        assert self._connection is not None and self._process is not None
+        self._spec_sent = True
+        self._send(("spec", self.spec))
         try:
             message = self._connection.recv()
         except (EOFError, OSError):
@@ -193,6 +211,9 @@ class EngineProcess:
         self._stopping = True
         if self._process is None:
             return
+        if not self._spec_sent and self._process.poll() is None:
+            # Launched, never given anything to build (the stub's load failed first): nothing to shut down.
+            self._process.terminate()
         self._send(("stop",))
         try:
             self._process.wait(timeout)
@@ -287,12 +308,13 @@ def serve_engine(connection: Connection) -> None:
         with send_lock:
             connection.send_bytes(data)
 
-    _, spec = connection.recv()
-    if not spec.use_ipex:
-        from triton_vllm_multistep.engine.ipex_switch import turn_ipex_off
-
-        turn_ipex_off()  # before vLLM is imported in this process
-    loop, engine = _built_loop(spec, connection)
+    try:
+        message = connection.recv()
+    except (EOFError, OSError):
+        return  # the stub is gone before sending anything to build
+    if message[0] != "spec":
+        return  # stopped before it had anything to build (the stub's load failed first)
+    loop, engine = _built_loop(message[1], connection)
     if loop is None:
         return
     from triton_vllm_multistep.engine.loop import engine_facts
@@ -329,14 +351,26 @@ def serve_engine(connection: Connection) -> None:
                 pass
 
 
+def prepare(use_ipex: bool) -> None:
+    """The engine process's first act, before its spec arrives: IPEX off or not, then vLLM imported."""
+    if not use_ipex:
+        from triton_vllm_multistep.engine.ipex_switch import turn_ipex_off
+
+        turn_ipex_off()  # before vLLM is imported in this process
+    import triton_vllm_multistep.engine.loop  # noqa: F401  (vLLM and torch: the slow part of a start)
+
+
 def _built_loop(spec: EngineSpec, connection: Connection) -> tuple[Any, Any]:
     """(loop, engine) once built and warmed up; (None, None) after sending the build's failure."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    from triton_vllm_multistep.engine.loop import serving_loop
-
-    loop = serving_loop(EngineArgs(**spec.engine_args), spec.stream_mode, spec.user_threads)  # type: ignore[arg-type]
     try:
+        from vllm.engine.arg_utils import EngineArgs
+
+        from triton_vllm_multistep.engine.ipex_switch import ipex_turned_off
+        from triton_vllm_multistep.engine.loop import serving_loop
+
+        if ipex_turned_off() == spec.use_ipex:
+            raise EngineProcessError(f"the engine process was started with use_ipex={not spec.use_ipex}")
+        loop = serving_loop(EngineArgs(**spec.engine_args), spec.stream_mode, spec.user_threads)  # type: ignore[arg-type]
         engine = loop.start_engine()
     except BaseException as error:
         try:
@@ -354,4 +388,11 @@ if __name__ == "__main__":
     # package's module so that pickled names resolve to one copy of it.
     from triton_vllm_multistep.engine import process
 
+    process.prepare(use_ipex=sys.argv[2] == IPEX_ARGUMENT[True])
     process.serve_engine(Connection(int(sys.argv[1])))
+    # The engine and its executor are shut down: skip the interpreter's teardown of torch and vLLM
+    # (~2 s measured), which a server stopping within its exit timeout waits for.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

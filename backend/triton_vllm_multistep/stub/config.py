@@ -253,6 +253,18 @@ def engine_process_setting(params: dict[str, str]) -> str:
         raise ConfigError(message) from None
 
 
+def parallel_size(engine_json: dict[str, Any]) -> int:
+    """GPUs one engine spans (tensor × pipeline parallel), from model.json before EngineArgs checks it:
+    the instance's device environment is set before the engine process starts. A value that is not
+    a positive integer counts as 1 here; EngineArgs then refuses it in vLLM's words."""
+
+    def size(name: str) -> int:
+        value = engine_json.get(name, 1)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+
+    return size("tensor_parallel_size") * size("pipeline_parallel_size")
+
+
 def load_engine_json(model_dir: Path, version: str | int) -> dict[str, Any]:
     """Read `<model_dir>/<version>/model.json` (or `<model_dir>/model.json`) as a JSON object."""
     candidates = [model_dir / str(version) / MODEL_JSON, model_dir / MODEL_JSON]

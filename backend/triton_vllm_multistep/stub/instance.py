@@ -18,6 +18,7 @@ from typing import Any
 
 from triton_vllm_multistep.demo.smollm2 import DemoModelError
 from triton_vllm_multistep.engine.events import EngineRunner
+from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec, NoPythonForEngineProcess
 from triton_vllm_multistep.lifecycle import drain, protocol, triton_command
 from triton_vllm_multistep.stub import codec, config, triton_io
 from triton_vllm_multistep.stub.detokenization import window_decoder
@@ -77,36 +78,46 @@ def auto_complete(auto_config: Any) -> Any:
     return auto_config
 
 
+def launch_engine_process(settings: config.BackendSettings, model_name: str) -> EngineProcess | None:
+    """Start the model's engine process now, if config.pbtxt `engine_process` asks (the default), so
+    that it imports vLLM while the stub does; None: the engine runs in the stub.
+
+    With the default (auto), a host where no Python can start that process gets the engine in the
+    stub instead, with a warning saying what to set; an explicit `true` makes that a load error.
+    Imports no vLLM (the caller may not have turned IPEX off yet otherwise).
+    """
+    if not settings.engine_process:
+        return None
+    process = EngineProcess()
+    try:
+        process.launch(settings.use_ipex)
+    except NoPythonForEngineProcess as error:
+        if settings.engine_process_required:
+            raise config.ConfigError(f"model {model_name}: engine_process is true but {error}") from None
+        logger.warning(
+            "vllm_multistep: model %s: the engine runs in the stub (engine_process auto): %s", model_name, error
+        )
+        return None
+    return process
+
+
 def start_engine_runner(
     settings: config.BackendSettings,
     engine_values: dict[str, Any],
     engine_args: Any,
     user_threads: dict[str, str | None],
-    model_name: str,
+    process: EngineProcess | None,
 ) -> EngineRunner:
-    """Build the model's engine where config.pbtxt `engine_process` says and return its runner, built.
-
-    In a process of its own (the default) unless `engine_process` is false; with the default (auto),
-    a host where no Python can start that process gets the engine in the stub instead, with a
-    warning saying what to set; an explicit `true` makes that a load error. Raises what the build
-    raised (EngineBuildError for settings this backend refuses).
-    """
+    """Build the model's engine in `process` (launched by launch_engine_process) or, without one, in
+    a thread of the stub; returns its runner, built. Raises what the build raised (EngineBuildError
+    for settings this backend refuses)."""
     from triton_vllm_multistep.engine.loop import serving_loop
-    from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec, NoPythonForEngineProcess
 
     engine_mode = config.engine_stream_mode(settings.stream_mode)
-    if settings.engine_process:
-        spec = EngineSpec(engine_values, engine_mode, user_threads=user_threads, use_ipex=settings.use_ipex)
-        runner = EngineProcess(spec)
-        try:
-            runner.start_engine()
-            return runner
-        except NoPythonForEngineProcess as error:
-            if settings.engine_process_required:
-                raise config.ConfigError(f"model {model_name}: engine_process is true but {error}") from None
-            logger.warning(
-                "vllm_multistep: model %s: the engine runs in the stub (engine_process auto): %s", model_name, error
-            )
+    if process is not None:
+        process.spec = EngineSpec(engine_values, engine_mode, user_threads=user_threads, use_ipex=settings.use_ipex)
+        process.start_engine()
+        return process
     runner = serving_loop(engine_args, engine_mode, user_threads)
     runner.start_engine()  # a failed build has ended the engine thread
     return runner
@@ -125,37 +136,43 @@ class ModelServer:
             from triton_vllm_multistep.engine.ipex_switch import turn_ipex_off
 
             turn_ipex_off()  # before the first vLLM import below
-        from triton_vllm_multistep.engine.factory import EngineBuildError, thread_choice_of_user
-        from triton_vllm_multistep.stub.responder import Responder
-
         self._pb = pb_utils
         self.model_name = args.get("model_name") or model_config["name"]
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise config.ConfigError("model_transaction_policy { decoupled: true } is required: this backend streams")
         self.settings = config.backend_settings(model_config, engine_json)
-        engine_values = config.engine_args_values(engine_json, model_dir, self.settings)
-        engine_args = config.to_engine_args(engine_values)
+        # The environment the engine runs with, set before the engine process starts (it inherits it).
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.settings.cpu_kvcache_space_gib))
-        parallel = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
         os.environ.update(
             instance_device_environment(
-                args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0)), parallel
+                args.get("model_instance_kind", "CPU"),
+                int(args.get("model_instance_device_id", 0)),
+                config.parallel_size(engine_json),
             )
         )
-        # The stub is a child of tritonserver: its command line says how it runs.
-        self._server_command = triton_command.of_process(os.getppid())
-
-        user_threads = thread_choice_of_user()  # before the build: vLLM sets OMP_NUM_THREADS during it
+        engine_process = launch_engine_process(self.settings, self.model_name)
         try:
-            self.loop: EngineRunner = start_engine_runner(
-                self.settings, engine_values, engine_args, user_threads, self.model_name
-            )
-        except EngineBuildError as error:
-            # Settings this backend refuses: a load error naming them, not a trace into the engine.
-            raise config.ConfigError(f"model {self.model_name}: {error}") from None
-        from triton_vllm_multistep.engine.process import EngineProcess
+            from triton_vllm_multistep.engine.factory import EngineBuildError, thread_choice_of_user
 
-        self.engine_in_process = isinstance(self.loop, EngineProcess)
+            engine_values = config.engine_args_values(engine_json, model_dir, self.settings)
+            engine_args = config.to_engine_args(engine_values)
+            # The stub is a child of tritonserver: its command line says how it runs.
+            self._server_command = triton_command.of_process(os.getppid())
+            user_threads = thread_choice_of_user()  # before the build: vLLM sets OMP_NUM_THREADS during it
+            try:
+                self.loop: EngineRunner = start_engine_runner(
+                    self.settings, engine_values, engine_args, user_threads, engine_process
+                )
+            except EngineBuildError as error:
+                # Settings this backend refuses: a load error naming them, not a trace into the engine.
+                raise config.ConfigError(f"model {self.model_name}: {error}") from None
+        except BaseException:
+            if engine_process is not None:
+                engine_process.stop()  # started early, never used (a refused setting, a failed build)
+            raise
+        from triton_vllm_multistep.stub.responder import Responder
+
+        self.engine_in_process = engine_process is not None
         facts = self.loop.facts
         try:
             self._tokenizer = self._load_tokenizer(engine_args)
@@ -216,7 +233,7 @@ class ModelServer:
             raise
         logger.info(
             "vllm_multistep: model %s (%s) ready: num_scheduler_steps=%d, streaming per %s, torch threads %s, "
-            "attention kernels %s, drains for up to %.1f s on unload",
+            "engine %s, attention kernels %s, drains for up to %.1f s on unload",
             self.model_name,
             facts.model,
             facts.num_scheduler_steps,
@@ -227,8 +244,8 @@ class ModelServer:
             }[self.settings.stream_mode]
             + (f", every {self.settings.stream_interval} engine outputs" if self.settings.stream_interval > 1 else ""),
             self.loop.torch_threads,
-            facts.attention_kernels
-            + (", engine in a process of its own" if self.engine_in_process else ", engine in the stub"),
+            "in a process of its own" if self.engine_in_process else "in the stub",
+            facts.attention_kernels,
             self.drain.drain_seconds,
         )
 
