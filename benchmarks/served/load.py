@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from benchmarks.served import peers
 from benchmarks.served.offline import OfflineEngines
 from benchmarks.served.settings import MODEL, prompt
 
@@ -174,9 +175,9 @@ class OpenAIStreams:
 
 def streams_for(server: Any, kind: str, max_tokens: int) -> TritonStreams | OpenAIStreams:
     """The client of one server: `kind` is "backend" (ours) or one of peers.PEER_KINDS."""
-    if kind == "vllm_serve":
+    if kind == peers.VLLM_SERVE:
         return OpenAIStreams(server.http_url, max_tokens)
-    return TritonStreams(f"127.0.0.1:{server.grpc_port}", max_tokens, peer=kind == "triton_vllm_backend")
+    return TritonStreams(f"127.0.0.1:{server.grpc_port}", max_tokens, peer=kind == peers.TRITON_VLLM_BACKEND)
 
 
 async def run_wave(streams: TritonStreams | OpenAIStreams, concurrency: int, base: int) -> list[RequestRecord]:

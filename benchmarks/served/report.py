@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from benchmarks.served import peers
 from benchmarks.served.settings import CONFIGS, DEFAULT_MODEL_REFERENCE, TARGET_CONCURRENCY, TARGETS
 
 
@@ -142,11 +143,11 @@ def peer_checks(
     configuration of ours as information."""
     from_level = int(TARGETS["peer_from_concurrency"])
     shipped = next((name for name in PER_STEP if name in served), None)
-    for peer in [name for name in served if CONFIGS[name].server != "backend"]:
+    for peer in [name for name in served if CONFIGS[name].server in peers.PEER_KINDS]:
         for level in sorted(served[peer]):
             theirs = served[peer][level]["tokens_per_s"]
             if shipped is not None and level in served[shipped]:
-                if CONFIGS[peer].server == "vllm_serve":
+                if CONFIGS[peer].server == peers.VLLM_SERVE:
                     limit = TARGETS["steps8_step_vs_vllm_serve"]
                 elif demo_model:
                     limit = TARGETS["steps8_step_vs_triton_vllm_backend"] if level >= from_level else None

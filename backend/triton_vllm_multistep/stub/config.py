@@ -192,13 +192,18 @@ def use_ipex_setting(model_config: dict[str, Any], engine_json: dict[str, Any]) 
     """config.pbtxt `use_ipex`: true, false, or auto (the default): IPEX only for a model with
     prefix caching on, which needs it on CPU; without it, IPEX's decode kernels did not pay in the
     served benchmark (docs/prefix-caching.md). Read before vLLM is imported (stub/instance.py)."""
-    text = parameter_values(model_config).get("use_ipex", "auto")
+    chosen = _true_false_or_auto("use_ipex", parameter_values(model_config).get("use_ipex", "auto"))
+    return bool(engine_json.get("enable_prefix_caching")) if chosen is None else chosen
+
+
+def _true_false_or_auto(name: str, text: str) -> bool | None:
+    """A true / false / auto config.pbtxt parameter: None for auto."""
     if text.strip().lower() == "auto":
-        return bool(engine_json.get("enable_prefix_caching"))
+        return None
     try:
-        return _as_bool("use_ipex", text)
+        return _as_bool(name, text)
     except ConfigError:
-        raise ConfigError(f"config.pbtxt parameter 'use_ipex' must be true, false or auto, got {text!r}") from None
+        raise ConfigError(f"config.pbtxt parameter {name!r} must be true, false or auto, got {text!r}") from None
 
 
 def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) -> BackendSettings:
@@ -221,7 +226,8 @@ def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) 
             "max_request_bytes", params.get("max_request_bytes", str(defaults.max_request_bytes)), 1
         ),
     )
-    engine_process = engine_process_setting(params)
+    text = params.get("engine_process", "")
+    engine_process = _true_false_or_auto("engine_process", text if text.strip() else "auto")  # empty: auto
     return BackendSettings(
         stream_mode=stream_mode,
         stream_interval=stream_interval_setting(params),
@@ -230,27 +236,14 @@ def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) 
         limits=limits,
         unload_on_engine_failure=_as_bool("unload_on_engine_failure", params.get("unload_on_engine_failure", "true")),
         use_ipex=use_ipex_setting(model_config, engine_json),
-        engine_process=engine_process != "false",
-        engine_process_required=engine_process == "true",
+        engine_process=engine_process is not False,
+        engine_process_required=engine_process is True,
         unload_drain_seconds=(
             _as_seconds("unload_drain_seconds", params["unload_drain_seconds"])
             if params.get("unload_drain_seconds", "").strip()
             else None
         ),
     )
-
-
-def engine_process_setting(params: dict[str, str]) -> str:
-    """config.pbtxt `engine_process`: "true", "false" or "auto" (the default; empty is auto)."""
-    text = params.get("engine_process", "")
-    value = text.strip().lower() or "auto"
-    if value == "auto":
-        return value
-    try:
-        return "true" if _as_bool("engine_process", value) else "false"
-    except ConfigError:
-        message = f"config.pbtxt parameter 'engine_process' must be true, false or auto, got {text!r}"
-        raise ConfigError(message) from None
 
 
 def parallel_size(engine_json: dict[str, Any]) -> int:
