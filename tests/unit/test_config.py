@@ -157,3 +157,20 @@ def test_model_references_resolve(tmp_path: Path) -> None:
     assert config.resolve_path("/abs/path", tmp_path) == "/abs/path"
     assert config.resolve_path("org/some-model", tmp_path) == "org/some-model"  # a Hugging Face id
     assert config.resolve_path("demo://tiny-llama-bpe", tmp_path) == str(demo_models.build("tiny-llama-bpe"))
+
+
+@pytest.mark.parametrize(
+    ("engine_json", "expected"),
+    [
+        ({}, 1),
+        ({"tensor_parallel_size": 2}, 2),
+        ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, 4),
+        ({"tensor_parallel_size": True}, 1),  # not an int: EngineArgs refuses it later, in vLLM's words
+        ({"tensor_parallel_size": "2"}, 1),
+        ({"tensor_parallel_size": 0}, 1),
+    ],
+)
+def test_parallel_size_is_read_from_model_json_before_engine_args(engine_json: dict, expected: int) -> None:
+    """The instance's device environment (KIND_GPU: one GPU, refused with TP > 1) is set from this,
+    before the engine process starts and before EngineArgs checks the values."""
+    assert config.parallel_size(engine_json) == expected
