@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -47,15 +48,41 @@ def copy_model(
     return target
 
 
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_CHOSEN_PORT = 15000
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for ports it hands out itself (bind to 0, outgoing connections)."""
     try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+        low, high = (int(field) for field in EPHEMERAL_RANGE_FILE.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return low, high
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free now and outside the kernel's ephemeral range.
+
+    Why outside: tritonserver binds its ports only after its models have loaded, and while they
+    load each vLLM engine takes an ephemeral port of its own (its torch.distributed store, through
+    `vllm.utils.get_open_port`) and opens connections from others; a port the kernel itself had
+    handed out earlier was taken that way in CI ("Address already in use" after a 50 s load).
+    """
+    low, high = ephemeral_port_range()
+    candidates = list(range(LOWEST_CHOSEN_PORT, low)) if low - LOWEST_CHOSEN_PORT >= 1000 else []
+    candidates += range(high + 1, 65536)
+    ports: list[int] = []
+    for port in random.sample(candidates, len(candidates)):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == count:
+            return ports
+    raise RuntimeError(f"no {count} free ports outside the ephemeral range {low}-{high}")
 
 
 @dataclass
