@@ -79,9 +79,15 @@ def annotate(results: dict[str, Any]) -> None:
         TARGETS["steps8_window_vs_steps1"],
         True,
     )
-    # Per step and merge with the engine in the stub and in a process of its own (the default), each
-    # where measured; merge against per window (engine in the stub) of the same run.
-    for suffix, where in (("", ", engine in the stub"), ("_process", ", engine process")):
+    # Per step and merge with the engine in the stub, in a process of its own (the default) and in one
+    # on CPUs of its own (engine_cpus), each where measured; merge against per window (engine in the
+    # stub) of the same run.
+    placements = (
+        ("", ", engine in the stub"),
+        ("_process", ", engine process"),
+        ("_pinned", ", engine on CPUs of its own"),
+    )
+    for suffix, where in placements:
         high = sorted(level for level in served.get(f"steps8_step{suffix}", {}) if level >= c)
         for level in high:
             check(

@@ -1,6 +1,7 @@
 """`engine_process` through the real server: by default the engine runs in a process of its own, the
 stream is the same one-response-per-step stream as with the engine in the stub (`engine_process:
-false`), and a dead engine process fails its requests and its model alone.
+false`), `engine_cpus` puts the engine process's threads on its CPUs and the stub's off them, and a
+dead engine process fails its requests and its model alone.
 
 Owns the served engine-process checks; must not assert on timings.
 """
@@ -17,11 +18,13 @@ import pytest
 from private_servers import make_repository, serving
 from triton_clients import StreamResult, grpc_generate
 
+from triton_vllm_multistep.engine import cpu_placement
 from triton_vllm_multistep.testing.local_server import ServerProcess
 from triton_vllm_multistep.testing.polling import wait_for
 
 IN_STUB = "llm_engine_in_stub"
 OWN_PROCESS = "llm_engine_process"
+PINNED = "llm_engine_pinned"
 PROMPTS = ["hello world", "the quick brown fox", "cats sleep near warm windows"]
 ENGINE_PROCESS_MODULE = "triton_vllm_multistep.engine.process"
 
@@ -29,7 +32,12 @@ ENGINE_PROCESS_MODULE = "triton_vllm_multistep.engine.process"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> Iterator[ServerProcess]:
     root: Path = tmp_path_factory.mktemp("engine_process")
-    repository = make_repository(root, {IN_STUB: {"parameters": {"engine_process": "false"}}, OWN_PROCESS: {}})
+    models = {
+        IN_STUB: {"parameters": {"engine_process": "false"}},
+        OWN_PROCESS: {},
+        PINNED: {"parameters": {"engine_cpus": str(_engine_cpu())}},
+    }
+    repository = make_repository(root, models)
     with serving(repository, root / "tritonserver.log") as running:
         yield running
 
@@ -41,16 +49,26 @@ def _generate(server: ServerProcess, model: str, prompt: str, stream: bool = Tru
     return result
 
 
-def _engine_processes(server: ServerProcess) -> list[psutil.Process]:
+def _engine_cpu() -> int:
+    """The CPU the pinned model's engine gets: the last one this server may use."""
+    return max(cpu_placement.allowed_cpus())
+
+
+def _engine_processes(server: ServerProcess, model: str | None = None) -> list[psutil.Process]:
+    """Engine processes below the server (of `model`'s stub only, if named)."""
     below = psutil.Process(server.process.pid).children(recursive=True)
-    return [p for p in below if ENGINE_PROCESS_MODULE in " ".join(p.cmdline())]
+    engines = [p for p in below if ENGINE_PROCESS_MODULE in " ".join(p.cmdline())]
+    if model is None:
+        return engines
+    return [p for p in engines if f"/{model}/" in " ".join(p.parent().cmdline())]
 
 
 def test_the_engine_runs_in_its_own_process_and_streams_what_the_stub_engine_streams(server: ServerProcess) -> None:
     log = server.log_path.read_text(errors="replace")
     assert re.search(rf"model {OWN_PROCESS} \(.*?\) ready: .*engine in a process of its own", log)
     assert re.search(rf"model {IN_STUB} \(.*?\) ready: .*engine in the stub", log)
-    assert len(_engine_processes(server)) == 1  # the default; not the model that set engine_process false
+    # The default (and the pinned model's); not the model that set engine_process false.
+    assert len(_engine_processes(server)) == 2 and len(_engine_processes(server, OWN_PROCESS)) == 1
     for prompt in PROMPTS:
         for sampling in ({"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 5}):
             want = _generate(server, IN_STUB, prompt, **sampling)
@@ -63,8 +81,30 @@ def test_the_engine_runs_in_its_own_process_and_streams_what_the_stub_engine_str
             assert whole.token_ids() == got.token_ids() and whole.text() == prompt + got.text()
 
 
+def test_engine_cpus_puts_every_engine_thread_on_its_cpus_and_the_stub_off_them(server: ServerProcess) -> None:
+    cpu = _engine_cpu()
+    log = server.log_path.read_text(errors="replace")
+    ready = rf"model {PINNED} \(.*?\) ready: .*torch threads 1, engine in a process of its own on CPUs {cpu},"
+    assert re.search(ready, log)
+    (engine,) = _engine_processes(server, PINNED)
+    engine_threads = cpu_placement.thread_cpus(engine.pid)
+    assert len(engine_threads) > 1 and set(engine_threads.values()) == {(cpu,)}, engine_threads
+    others = tuple(c for c in cpu_placement.allowed_cpus() if c != cpu)
+    stub_threads = cpu_placement.thread_cpus(engine.parent().pid)
+    assert set(stub_threads.values()) == {others}, stub_threads
+    # The unpinned model's processes keep every CPU.
+    (unpinned,) = _engine_processes(server, OWN_PROCESS)
+    assert set(cpu_placement.thread_cpus(unpinned.parent().pid).values()) == {cpu_placement.allowed_cpus()}
+    for prompt in PROMPTS:
+        want = _generate(server, IN_STUB, prompt, temperature=0)
+        got = _generate(server, PINNED, prompt, temperature=0)
+        assert got.token_ids() == want.token_ids() and len(got.data_responses) == len(want.data_responses)
+    # Threads the stub started while serving (the responder's) stay off the engine's CPU too.
+    assert set(cpu_placement.thread_cpus(engine.parent().pid).values()) == {others}
+
+
 def test_a_dead_engine_process_fails_its_requests_and_its_model_alone(server: ServerProcess) -> None:
-    (engine,) = _engine_processes(server)
+    (engine,) = _engine_processes(server, OWN_PROCESS)
     in_flight: list[StreamResult] = []
     first_response = threading.Event()
 

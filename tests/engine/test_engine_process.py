@@ -21,6 +21,7 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.engine import cpu_placement
 from triton_vllm_multistep.engine.events import EngineDied, KvCacheStats, StepOutputs
 from triton_vllm_multistep.engine.factory import EngineBuildError, build_engine
 from triton_vllm_multistep.engine.loop import EngineLoop
@@ -248,3 +249,30 @@ def test_a_spec_that_disagrees_with_the_launch_on_ipex_is_refused_naming_it() ->
     with pytest.raises(Exception, match="the engine process was started with use_ipex=False"):
         process.start_engine()
     process.stop()
+
+
+def test_a_spec_that_disagrees_with_the_launch_on_cpus_is_refused_naming_it() -> None:
+    cpu = max(os.sched_getaffinity(0))
+    process = EngineProcess()
+    process.launch(use_ipex=False)  # keeps the CPUs it inherits
+    process.spec = EngineSpec(_fields(), "step", use_ipex=False, cpus=(cpu,))
+    if os.sched_getaffinity(0) == {cpu}:
+        pytest.skip("one CPU: every placement is the inherited one")
+    with pytest.raises(Exception, match=f"not engine_cpus \\({cpu},\\)"):
+        process.start_engine()
+    process.stop()
+
+
+def test_an_engine_launched_on_cpus_builds_there_with_one_torch_thread_per_cpu() -> None:
+    cpu = max(os.sched_getaffinity(0))
+    process = EngineProcess()
+    process.launch(use_ipex=False, cpus=(cpu,))
+    process.spec = EngineSpec(
+        _fields(), "step", user_threads={"VLLM_CPU_OMP_THREADS_BIND": str(cpu)}, use_ipex=False, cpus=(cpu,)
+    )
+    try:
+        process.start_engine()
+        assert process.torch_threads == 1 and process.pid is not None
+        assert set(cpu_placement.thread_cpus(process.pid).values()) == {(cpu,)}
+    finally:
+        process.stop()

@@ -87,6 +87,14 @@ def test_engine_process_defaults_to_auto_and_only_true_requires_it(
     assert (read.engine_process, read.engine_process_required) == (in_process, required)
 
 
+@pytest.mark.parametrize(("text", "cpus"), [(None, ()), (" ", ()), ("1", (1,)), ("0,2-3", (0, 2, 3))])
+def test_engine_cpus_is_a_cpu_list_that_requires_the_engine_process(text: str | None, cpus: tuple[int, ...]) -> None:
+    read = settings({} if text is None else {"engine_cpus": text})
+    assert read.engine_cpus == cpus and read.engine_process
+    # Placing the engine needs its process: auto becomes a requirement (a load error without one).
+    assert read.engine_process_required == bool(cpus)
+
+
 @pytest.mark.parametrize("value", ["", "  "])
 def test_an_empty_drain_time_means_derived_from_the_exit_timeout(value: str) -> None:
     assert settings({"unload_drain_seconds": value}).unload_drain_seconds is None
@@ -102,6 +110,12 @@ def test_an_empty_drain_time_means_derived_from_the_exit_timeout(value: str) -> 
         ({"unload_on_engine_failure": "2"}, "parameter 'unload_on_engine_failure' must be true or false"),
         ({"use_ipex": "sometimes"}, "parameter 'use_ipex' must be true, false or auto, got 'sometimes'"),
         ({"engine_process": "maybe"}, "parameter 'engine_process' must be true, false or auto, got 'maybe'"),
+        ({"engine_cpus": "1-x"}, "parameter 'engine_cpus': '1-x' is not a CPU list such as"),
+        ({"engine_cpus": "3-1"}, "parameter 'engine_cpus': '3-1' is not a CPU list: '3-1' is not a range"),
+        (
+            {"engine_cpus": "1", "engine_process": "false"},
+            "'engine_cpus' ('1') places the engine process, but 'engine_process' is false",
+        ),
         ({"max_n": "many"}, "parameter 'max_n' must be an integer, got 'many'"),
         ({"max_n": "0"}, "parameter 'max_n' must be >= 1, got 0"),
         ({"max_request_bytes": "0"}, "parameter 'max_request_bytes' must be >= 1"),

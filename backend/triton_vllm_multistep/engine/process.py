@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from triton_vllm_multistep.engine import cpu_placement
 from triton_vllm_multistep.engine.events import (
     EngineDied,
     EngineEvent,
@@ -47,7 +48,8 @@ STOP_SECONDS = 20.0
 PYTHON_ENV = "TRITON_VLLM_MULTISTEP_PYTHON"
 # `python -m ENTRY_MODULE FD` runs an engine process (tools find engine processes by it too).
 ENTRY_MODULE = "triton_vllm_multistep.engine.process"
-# Its second argument: whether IPEX may load in it (use_ipex), known before the spec is.
+# Its second argument: whether IPEX may load in it (use_ipex), known before the spec is; its third:
+# the CPUs it runs on (a CPU list, or cpu_placement.ALL_CPUS: those it inherits).
 IPEX_ARGUMENT = {True: "ipex", False: "no-ipex"}
 
 
@@ -59,6 +61,7 @@ class EngineSpec:
     stream_mode: str
     user_threads: dict[str, str | None] = field(default_factory=dict)  # factory.thread_choice_of_user()
     use_ipex: bool = True
+    cpus: tuple[int, ...] = ()  # config.pbtxt engine_cpus; empty: the CPUs it inherits
 
 
 class EngineProcessError(RuntimeError):
@@ -131,10 +134,10 @@ class EngineProcess:
     def pid(self) -> int | None:
         return None if self._process is None else self._process.pid
 
-    def launch(self, use_ipex: bool) -> None:
-        """Start the process now, before the spec is ready: it turns IPEX off or not and imports vLLM
-        while the stub does its own imports (start_engine sends the spec). Raises
-        NoPythonForEngineProcess when no Python can start it."""
+    def launch(self, use_ipex: bool, cpus: tuple[int, ...] = ()) -> None:
+        """Start the process now, before the spec is ready: it moves onto `cpus` (if any), turns IPEX
+        off or not and imports vLLM while the stub does its own imports (start_engine sends the spec).
+        Raises NoPythonForEngineProcess when no Python can start it."""
         if self._python is None:
             version = f"python{sys.version_info.major}.{sys.version_info.minor}"
             raise NoPythonForEngineProcess(_no_python_message(f"no {version} on PATH and {PYTHON_ENV} is not set"))
@@ -142,10 +145,13 @@ class EngineProcess:
         environment = dict(os.environ)
         # This interpreter's import paths (the stub's: the package and its environment's packages).
         environment["PYTHONPATH"] = os.pathsep.join(entry for entry in sys.path if entry)
+        if cpus:
+            environment.update(cpu_placement.engine_thread_environment(cpus))
+        placement = cpu_placement.cpu_list_text(cpus) if cpus else cpu_placement.ALL_CPUS
         logger.info("starting the vLLM engine process with %s", self._python)
         try:
             self._process = subprocess.Popen(
-                [self._python, "-m", ENTRY_MODULE, str(theirs.fileno()), IPEX_ARGUMENT[use_ipex]],
+                [self._python, "-m", ENTRY_MODULE, str(theirs.fileno()), IPEX_ARGUMENT[use_ipex], placement],
                 pass_fds=[theirs.fileno()],
                 env=environment,
                 stdin=subprocess.DEVNULL,
@@ -164,7 +170,7 @@ class EngineProcess:
         if self.spec is None:
             raise RuntimeError("EngineProcess.start_engine needs a spec")
         if self._process is None:
-            self.launch(self.spec.use_ipex)
+            self.launch(self.spec.use_ipex, self.spec.cpus)
         assert self._connection is not None and self._process is not None
         self._spec_sent = True
         self._send(("spec", self.spec))
@@ -351,8 +357,11 @@ def serve_engine(connection: Connection) -> None:
                 pass
 
 
-def prepare(use_ipex: bool) -> None:
-    """The engine process's first act, before its spec arrives: IPEX off or not, then vLLM imported."""
+def prepare(use_ipex: bool, placement: str = cpu_placement.ALL_CPUS) -> None:
+    """The engine process's first act, before its spec arrives: onto its CPUs (`placement`, a CPU
+    list), IPEX off or not, then vLLM imported."""
+    if placement != cpu_placement.ALL_CPUS:
+        cpu_placement.pin_process(cpu_placement.parse_cpu_list(placement))
     if not use_ipex:
         from triton_vllm_multistep.engine.ipex_switch import turn_ipex_off
 
@@ -370,6 +379,9 @@ def _built_loop(spec: EngineSpec, connection: Connection) -> tuple[Any, Any]:
 
         if ipex_turned_off() == spec.use_ipex:
             raise EngineProcessError(f"the engine process was started with use_ipex={not spec.use_ipex}")
+        if spec.cpus and set(spec.cpus) != os.sched_getaffinity(0):
+            placed = cpu_placement.cpu_list_text(os.sched_getaffinity(0))
+            raise EngineProcessError(f"the engine process runs on CPUs {placed}, not engine_cpus {spec.cpus}")
         loop = serving_loop(EngineArgs(**spec.engine_args), spec.stream_mode, spec.user_threads)  # type: ignore[arg-type]
         engine = loop.start_engine()
     except BaseException as error:
@@ -388,7 +400,7 @@ if __name__ == "__main__":
     # package's module so that pickled names resolve to one copy of it.
     from triton_vllm_multistep.engine import process
 
-    process.prepare(use_ipex=sys.argv[2] == IPEX_ARGUMENT[True])
+    process.prepare(use_ipex=sys.argv[2] == IPEX_ARGUMENT[True], placement=sys.argv[3])
     process.serve_engine(Connection(int(sys.argv[1])))
     # The engine and its executor are shut down: skip the interpreter's teardown of torch and vLLM
     # (~2 s measured), which a server stopping within its exit timeout waits for.

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.engine.cpu_placement import CpuListError, parse_cpu_list
 from triton_vllm_multistep.engine.events import StreamMode
 
 logger = logging.getLogger("triton_vllm_multistep")
@@ -92,6 +93,9 @@ class BackendSettings:
     # an explicit true without one is a load error (engine_process_required).
     engine_process: bool = True
     engine_process_required: bool = False
+    # config.pbtxt `engine_cpus` (a CPU list; empty: unset): the engine process's CPUs, and the
+    # stub's threads kept off them (engine/cpu_placement.py). Needs the engine process.
+    engine_cpus: tuple[int, ...] = ()
 
 
 def parameter_values(model_config: dict[str, Any]) -> dict[str, str]:
@@ -228,6 +232,12 @@ def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) 
     )
     text = params.get("engine_process", "")
     engine_process = _true_false_or_auto("engine_process", text if text.strip() else "auto")  # empty: auto
+    engine_cpus = engine_cpus_setting(params)
+    if engine_cpus and engine_process is False:
+        raise ConfigError(
+            f"config.pbtxt parameter 'engine_cpus' ({params['engine_cpus']!r}) places the engine process, but "
+            "'engine_process' is false: set engine_process to true or auto, or leave engine_cpus out"
+        )
     return BackendSettings(
         stream_mode=stream_mode,
         stream_interval=stream_interval_setting(params),
@@ -237,13 +247,25 @@ def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) 
         unload_on_engine_failure=_as_bool("unload_on_engine_failure", params.get("unload_on_engine_failure", "true")),
         use_ipex=use_ipex_setting(model_config, engine_json),
         engine_process=engine_process is not False,
-        engine_process_required=engine_process is True,
+        engine_process_required=engine_process is True or bool(engine_cpus),
+        engine_cpus=engine_cpus,
         unload_drain_seconds=(
             _as_seconds("unload_drain_seconds", params["unload_drain_seconds"])
             if params.get("unload_drain_seconds", "").strip()
             else None
         ),
     )
+
+
+def engine_cpus_setting(params: dict[str, str]) -> tuple[int, ...]:
+    """config.pbtxt `engine_cpus`: a Linux CPU list, or empty / absent for no placement."""
+    text = params.get("engine_cpus", "")
+    if not text.strip():
+        return ()
+    try:
+        return parse_cpu_list(text)
+    except CpuListError as error:
+        raise ConfigError(f"config.pbtxt parameter 'engine_cpus': {error}") from None
 
 
 def parallel_size(engine_json: dict[str, Any]) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from triton_vllm_multistep.demo.smollm2 import DemoModelError
+from triton_vllm_multistep.engine import cpu_placement
 from triton_vllm_multistep.engine.events import EngineRunner
 from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec, NoPythonForEngineProcess
 from triton_vllm_multistep.lifecycle import drain, protocol, triton_command
@@ -90,10 +91,11 @@ def launch_engine_process(settings: config.BackendSettings, model_name: str) -> 
         return None
     process = EngineProcess()
     try:
-        process.launch(settings.use_ipex)
+        process.launch(settings.use_ipex, settings.engine_cpus)
     except NoPythonForEngineProcess as error:
         if settings.engine_process_required:
-            raise config.ConfigError(f"model {model_name}: engine_process is true but {error}") from None
+            asked = "engine_cpus is set" if settings.engine_cpus else "engine_process is true"
+            raise config.ConfigError(f"model {model_name}: {asked} but {error}") from None
         logger.warning(
             "vllm_multistep: model %s: the engine runs in the stub (engine_process auto): %s", model_name, error
         )
@@ -115,12 +117,45 @@ def start_engine_runner(
 
     engine_mode = config.engine_stream_mode(settings.stream_mode)
     if process is not None:
-        process.spec = EngineSpec(engine_values, engine_mode, user_threads=user_threads, use_ipex=settings.use_ipex)
+        if settings.engine_cpus:
+            # One torch thread bound to each of its CPUs by vLLM's CPU worker: the serving thread
+            # policy (all cores but one) is for an engine that shares its cores.
+            user_threads = {**user_threads, **cpu_placement.engine_thread_environment(settings.engine_cpus)}
+        process.spec = EngineSpec(
+            engine_values, engine_mode, user_threads=user_threads, use_ipex=settings.use_ipex, cpus=settings.engine_cpus
+        )
         process.start_engine()
         return process
     runner = serving_loop(engine_args, engine_mode, user_threads)
     runner.start_engine()  # a failed build has ended the engine thread
     return runner
+
+
+def place_engine(
+    cpus: tuple[int, ...], model_config: dict[str, Any], user_threads: dict[str, str | None], model_name: str
+) -> None:
+    """config.pbtxt `engine_cpus`: check it against the host and the user's thread settings (a load
+    error naming both when they disagree), then move the stub's threads off the engine's CPUs (the
+    engine process has moved onto them itself)."""
+    instances = config.instance_count(model_config, gpu_count())
+    if instances > 1:
+        raise config.ConfigError(
+            f"model {model_name}: engine_cpus places one engine, but instance_group runs {instances} instances "
+            "of this model (each would put its engine on the same CPUs): use one instance, or leave engine_cpus out"
+        )
+    try:
+        cpu_placement.check_engine_cpus(cpus, user_threads)
+    except cpu_placement.CpuListError as error:
+        raise config.ConfigError(f"model {model_name}: {error}") from None
+    others = tuple(cpu for cpu in cpu_placement.allowed_cpus() if cpu not in cpus)
+    if others:
+        cpu_placement.pin_process(others)
+    else:
+        logger.warning(
+            "vllm_multistep: model %s: engine_cpus %s hold every CPU the stub runs on: its threads share them",
+            model_name,
+            cpu_placement.cpu_list_text(cpus),
+        )
 
 
 class ModelServer:
@@ -159,6 +194,8 @@ class ModelServer:
             # The stub is a child of tritonserver: its command line says how it runs.
             self._server_command = triton_command.of_process(os.getppid())
             user_threads = thread_choice_of_user()  # before the build: vLLM sets OMP_NUM_THREADS during it
+            if self.settings.engine_cpus:
+                place_engine(self.settings.engine_cpus, model_config, user_threads, self.model_name)
             try:
                 self.loop: EngineRunner = start_engine_runner(
                     self.settings, engine_values, engine_args, user_threads, engine_process
@@ -244,10 +281,14 @@ class ModelServer:
             }[self.settings.stream_mode]
             + (f", every {self.settings.stream_interval} engine outputs" if self.settings.stream_interval > 1 else ""),
             self.loop.torch_threads,
-            "in a process of its own" if self.engine_in_process else "in the stub",
+            ("in a process of its own" if self.engine_in_process else "in the stub") + self._placement_text(),
             facts.attention_kernels,
             self.drain.drain_seconds,
         )
+
+    def _placement_text(self) -> str:
+        cpus = self.settings.engine_cpus
+        return f" on CPUs {cpu_placement.cpu_list_text(cpus)}" if cpus else ""
 
     @staticmethod
     def _load_tokenizer(engine_args: Any) -> Any:
