@@ -4,6 +4,7 @@ every thread of a process."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -123,3 +124,13 @@ def test_the_placement_checks_reach_the_load_error(monkeypatch) -> None:
     message = f"model llm: engine_cpus {beyond} names CPUs this server may not run on .*{allowed}"
     with pytest.raises(instance.config.ConfigError, match=message):
         instance.place_engine((beyond,), model_config, {}, "llm")
+
+
+def test_engine_cpus_holding_every_cpu_of_the_stub_leave_its_threads_where_they_are(caplog, monkeypatch) -> None:
+    monkeypatch.setattr(logging.getLogger("triton_vllm_multistep"), "propagate", True)  # the stub's logger
+    model_config = {"instance_group": [{"kind": "KIND_CPU", "count": 1}]}
+    assert set(cpu_placement.thread_cpus(os.getpid()).values()) == {CPUS}
+    with caplog.at_level(logging.WARNING, logger="triton_vllm_multistep"):
+        instance.place_engine(CPUS, model_config, {}, "llm")
+    assert set(cpu_placement.thread_cpus(os.getpid()).values()) == {CPUS}  # nothing moved
+    assert f"engine_cpus {CPU_LIST} hold every CPU the stub runs on: its threads share them" in caplog.text
