@@ -203,3 +203,20 @@ def test_forward_pass_hooks_are_used_on_cpu_only(monkeypatch: pytest.MonkeyPatch
     assert not module_hooks_time_the_forward_pass(types.SimpleNamespace(device_config=gpu_config.device_config))
     cpu_config = factory.cpu_multistep_config(_small(args, dtype="float32"), stream_mode="step")
     assert module_hooks_time_the_forward_pass(types.SimpleNamespace(device_config=cpu_config.device_config))
+
+
+def test_engine_cpus_leaves_the_users_thread_count_alone_on_cuda_only() -> None:
+    """On a GPU host vLLM binds no threads for engine_cpus (only its CPU worker reads
+    VLLM_CPU_OMP_THREADS_BIND), so an OMP_NUM_THREADS of the user's is not a disagreement there; on
+    CPU it is a load error naming both. All the CPUs: nothing of this process is moved."""
+    from triton_vllm_multistep.engine import cpu_placement
+    from triton_vllm_multistep.stub import config, instance
+
+    cpus = cpu_placement.allowed_cpus()
+    one_instance = {"instance_group": [{"kind": "KIND_MODEL", "count": 1}]}
+    user_threads = {"OMP_NUM_THREADS": "64"}
+    with simulated_cuda():
+        instance.place_engine(cpus, one_instance, user_threads, "llm")
+    with pytest.raises(config.ConfigError, match="but OMP_NUM_THREADS=64"):
+        instance.place_engine(cpus, one_instance, user_threads, "llm")
+    assert set(cpu_placement.thread_cpus(os.getpid()).values()) == {cpus}

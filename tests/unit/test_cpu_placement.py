@@ -134,3 +134,11 @@ def test_engine_cpus_holding_every_cpu_of_the_stub_leave_its_threads_where_they_
         instance.place_engine(CPUS, model_config, {}, "llm")
     assert set(cpu_placement.thread_cpus(os.getpid()).values()) == {CPUS}  # nothing moved
     assert f"engine_cpus {CPU_LIST} hold every CPU the stub runs on: its threads share them" in caplog.text
+
+
+def test_where_vllm_binds_no_threads_the_users_thread_settings_stand() -> None:
+    """GPU workers ignore VLLM_CPU_OMP_THREADS_BIND (only vllm/worker/cpu_worker.py reads it), so
+    there OMP_NUM_THREADS is not a disagreement; the placement itself is still checked."""
+    cpu_placement.check_engine_cpus(CPUS, {"OMP_NUM_THREADS": "64"}, threads_bound=False)
+    with pytest.raises(cpu_placement.CpuListError, match="names CPUs this server may not run on"):
+        cpu_placement.check_engine_cpus((4095,), {}, threads_bound=False)

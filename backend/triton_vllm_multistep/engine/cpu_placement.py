@@ -76,15 +76,21 @@ def placement_refusal(cpus: tuple[int, ...]) -> str | None:
     return outcome[0] if outcome else "the probe thread failed"
 
 
-def check_engine_cpus(cpus: tuple[int, ...], user_threads: Mapping[str, str | None]) -> None:
+def check_engine_cpus(
+    cpus: tuple[int, ...], user_threads: Mapping[str, str | None], threads_bound: bool = True
+) -> None:
     """Raise CpuListError when `cpus` cannot be the engine's: CPUs this server may not run on, or a
-    thread setting of the user's (factory.thread_choice_of_user) that says otherwise."""
+    thread setting of the user's (factory.thread_choice_of_user) that says otherwise where the
+    engine's torch threads are bound to `cpus` (`threads_bound`: vLLM's CPU worker; GPU workers
+    ignore VLLM_CPU_OMP_THREADS_BIND, so there the user's thread settings stand)."""
     refusal = placement_refusal(cpus)
     if refusal:
         raise CpuListError(
             f"engine_cpus {cpu_list_text(cpus)} names CPUs this server may not run on ({refusal}; "
             f"CPUs it runs on now: {cpu_list_text(allowed_cpus())})"
         )
+    if not threads_bound:
+        return
     bind = user_threads.get("VLLM_CPU_OMP_THREADS_BIND") or ALL_CPUS
     if bind != ALL_CPUS and set(parse_cpu_list(bind)) != set(cpus):
         raise CpuListError(

@@ -143,8 +143,10 @@ def place_engine(
             f"model {model_name}: engine_cpus places one engine, but instance_group runs {instances} instances "
             "of this model (each would put its engine on the same CPUs): use one instance, or leave engine_cpus out"
         )
+    from vllm.platforms import current_platform
+
     try:
-        cpu_placement.check_engine_cpus(cpus, user_threads)
+        cpu_placement.check_engine_cpus(cpus, user_threads, threads_bound=current_platform.is_cpu())
     except cpu_placement.CpuListError as error:
         raise config.ConfigError(f"model {model_name}: {error}") from None
     others = tuple(cpu for cpu in cpu_placement.allowed_cpus() if cpu not in cpus)
