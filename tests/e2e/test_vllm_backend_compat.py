@@ -56,6 +56,8 @@ def write_model(repository: Path, name: str, engine: dict, config_text: str) -> 
     (repository / name / "1" / "model.json").write_text(json.dumps(engine))
 
 
+ENGINE_CPUS = 'parameters: {{ key: "engine_cpus" value: {{ string_value: "{}" }} }}\n'
+IN_STUB = 'parameters: { key: "engine_process" value: { string_value: "false" } }\n'
 MODELS = {
     THEIRS: (THEIR_MODEL_JSON, THEIR_CONFIG + REPORT.format("true")),
     "metrics_false": (THEIR_MODEL_JSON, THEIR_CONFIG + REPORT.format("false")),
@@ -77,6 +79,9 @@ MODELS = {
         + 'parameters: { key: "enable_metrics" value: { string_value: "true" } }\n',
     ),
     "unknown_field": ({**THEIR_MODEL_JSON, "disable_log_requestz": True}, THEIR_CONFIG),
+    "cpus_in_stub": (THEIR_MODEL_JSON, THEIR_CONFIG + ENGINE_CPUS.format("0") + IN_STUB),
+    "cpus_two_instances": (THEIR_MODEL_JSON, THEIR_CONFIG.replace("count: 1", "count: 2") + ENGINE_CPUS.format("0")),
+    "cpus_absent": (THEIR_MODEL_JSON, THEIR_CONFIG + ENGINE_CPUS.format("4095")),
     "sample_on_cpu": (THEIR_SAMPLE_MODEL_JSON, THEIR_CONFIG),
 }
 GREEDY_16 = {"temperature": 0, "ignore_eos": True}  # their tests' default max_tokens (16)
@@ -250,6 +255,9 @@ def test_metrics_are_off_as_in_their_backend(compat_server, model: str, why: str
         ("stream_conflict", ("'stream_mode'='step'", "'multi_step_stream_outputs'=false")),
         ("switch_conflict", ("'enable_metrics'='true'", "'REPORT_CUSTOM_METRICS'='false'")),
         ("unknown_field", ("unknown vLLM engine argument(s): disable_log_requestz",)),
+        ("cpus_in_stub", ("'engine_cpus' ('0') places the engine process", "'engine_process' is false")),
+        ("cpus_two_instances", ("engine_cpus places one engine", "instance_group runs 2 instances")),
+        ("cpus_absent", ("engine_cpus 4095 names CPUs this server may not run on", "CPUs it runs on now")),
         # Not a disagreement, but the same kind of load error: their sample as is, on a CPU host.
         ("sample_on_cpu", ("'dtype' ('auto') resolves to float16", 'set "dtype": "float32"')),
     ],
