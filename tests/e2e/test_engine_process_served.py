@@ -35,7 +35,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> 
     models = {
         IN_STUB: {"parameters": {"engine_process": "false"}},
         OWN_PROCESS: {},
-        PINNED: {"parameters": {"engine_cpus": str(_engine_cpu())}},
+        PINNED: {"parameters": {"engine_cpus": "last 1"}},  # = _engine_cpu()
     }
     repository = make_repository(root, models)
     with serving(repository, root / "tritonserver.log") as running:

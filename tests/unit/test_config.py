@@ -8,6 +8,7 @@ engine is built (tests/engine); loading real models through a server is in the e
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,17 @@ def test_engine_cpus_is_a_cpu_list_that_requires_the_engine_process(text: str | 
     assert read.engine_process_required == bool(cpus)
 
 
+@pytest.mark.parametrize(
+    ("text", "cpus"), [("last 1", (7,)), (" LAST  2 ", (6, 7)), ("last 4", (0, 2, 6, 7)), ("2-3", (2, 3))]
+)
+def test_engine_cpus_last_n_takes_the_last_cpus_the_server_runs_on(text: str, cpus: tuple[int, ...]) -> None:
+    assert config.engine_cpus_setting({"engine_cpus": text}, allowed=(7, 0, 6, 2)) == cpus
+
+
+def test_engine_cpus_last_n_reads_this_process_affinity() -> None:
+    assert settings({"engine_cpus": "last 1"}).engine_cpus == (max(os.sched_getaffinity(0)),)
+
+
 @pytest.mark.parametrize("value", ["", "  "])
 def test_an_empty_drain_time_means_derived_from_the_exit_timeout(value: str) -> None:
     assert settings({"unload_drain_seconds": value}).unload_drain_seconds is None
@@ -110,7 +122,11 @@ def test_an_empty_drain_time_means_derived_from_the_exit_timeout(value: str) -> 
         ({"unload_on_engine_failure": "2"}, "parameter 'unload_on_engine_failure' must be true or false"),
         ({"use_ipex": "sometimes"}, "parameter 'use_ipex' must be true, false or auto, got 'sometimes'"),
         ({"engine_process": "maybe"}, "parameter 'engine_process' must be true, false or auto, got 'maybe'"),
-        ({"engine_cpus": "1-x"}, "parameter 'engine_cpus': '1-x' is not a CPU list such as"),
+        ({"engine_cpus": "1-x"}, '\'1-x\' is not a CPU list such as "1", "2-7" or "0,2-3", or \'last N\''),
+        ({"engine_cpus": "last"}, "parameter 'engine_cpus' must be a CPU list or 'last N', got 'last'"),
+        ({"engine_cpus": "last two"}, "parameter 'engine_cpus' must be an integer, got 'two'"),
+        ({"engine_cpus": "last 0"}, "parameter 'engine_cpus' must be >= 1, got 0"),
+        ({"engine_cpus": "last 4096"}, "asks for the last 4096 CPUs, but this server runs on"),
         ({"engine_cpus": "3-1"}, "parameter 'engine_cpus': '3-1' is not a CPU list: '3-1' is not a range"),
         (
             {"engine_cpus": "1", "engine_process": "false"},

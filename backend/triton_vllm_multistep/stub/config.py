@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from triton_vllm_multistep.demo import models as demo_models
-from triton_vllm_multistep.engine.cpu_placement import CpuListError, parse_cpu_list
+from triton_vllm_multistep.engine.cpu_placement import CpuListError, allowed_cpus, cpu_list_text, parse_cpu_list
 from triton_vllm_multistep.engine.events import StreamMode
 
 logger = logging.getLogger("triton_vllm_multistep")
@@ -257,15 +257,29 @@ def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) 
     )
 
 
-def engine_cpus_setting(params: dict[str, str]) -> tuple[int, ...]:
-    """config.pbtxt `engine_cpus`: a Linux CPU list, or empty / absent for no placement."""
+def engine_cpus_setting(params: dict[str, str], allowed: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """config.pbtxt `engine_cpus`: a Linux CPU list, `last N` (the last N of the CPUs this server
+    runs on, `allowed`, by default its affinity: for containers whose CPU numbers are not known in
+    advance, such as Kubernetes pods with exclusive CPUs), or empty / absent for no placement."""
     text = params.get("engine_cpus", "")
     if not text.strip():
         return ()
+    words = text.split()
+    if words[0].lower() == "last":
+        available = allowed_cpus() if allowed is None else allowed
+        count = _as_int("engine_cpus", words[1], minimum=1) if len(words) == 2 else 0
+        if not count:
+            raise ConfigError(f"config.pbtxt parameter 'engine_cpus' must be a CPU list or 'last N', got {text!r}")
+        if count > len(available):
+            raise ConfigError(
+                f"config.pbtxt parameter 'engine_cpus' asks for the last {count} CPUs, but this server runs on "
+                f"{len(available)} ({cpu_list_text(available)})"
+            )
+        return tuple(sorted(available))[-count:]
     try:
         return parse_cpu_list(text)
     except CpuListError as error:
-        raise ConfigError(f"config.pbtxt parameter 'engine_cpus': {error}") from None
+        raise ConfigError(f"config.pbtxt parameter 'engine_cpus': {error}, or 'last N'") from None
 
 
 def parallel_size(engine_json: dict[str, Any]) -> int:
