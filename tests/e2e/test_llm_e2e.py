@@ -262,6 +262,35 @@ def test_non_streaming_prepends_prompt_and_optional_outputs_only_when_asked(serv
     assert len(steps) == 5 and all(len(step) >= 1 for step in steps)
 
 
+def test_a_client_asking_for_some_outputs_gets_those_with_the_same_stream(server) -> None:
+    """The backend builds only the outputs asked for (Triton would drop the others): same text and
+    ids, one response per step, whatever the selection."""
+    sampling = {**GREEDY, "max_tokens": 12}
+    everything = grpc_generate(
+        server.grpc_url, LLM_MODEL, prompt="the cat", sampling=sampling, stream=True, return_num_output_tokens=True
+    )
+    text_only = grpc_generate(
+        server.grpc_url, LLM_MODEL, prompt="the cat", sampling=sampling, stream=True, outputs=["text_output"]
+    )
+    counted = grpc_generate(
+        server.grpc_url,
+        LLM_MODEL,
+        prompt="the cat",
+        sampling=sampling,
+        stream=True,
+        return_num_output_tokens=True,
+        outputs=["output_ids", "num_output_tokens"],
+    )
+    for result in (everything, text_only, counted):
+        assert_single_final(result)
+        assert len(result.data_responses) == len(everything.data_responses) == 12
+    assert {name for r in text_only.data_responses for name in r} == {"text_output"}
+    assert text_only.text() == everything.text()
+    assert {name for r in counted.data_responses for name in r} == {"output_ids", "num_output_tokens"}
+    assert counted.token_ids() == everything.token_ids()
+    assert sum(int(r["num_output_tokens"][0]) for r in counted.data_responses) == 12
+
+
 def test_n_greater_than_one_returns_each_completion_at_its_index(server) -> None:
     sampling = {"temperature": 1.0, "seed": 7, "n": 3, "max_tokens": 6, "ignore_eos": True}
     result = grpc_generate(

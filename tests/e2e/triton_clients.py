@@ -93,18 +93,23 @@ def grpc_generate(
     cancel_after: int | None = None,
     parameters: dict | None = None,
     on_response: Callable[[], None] | None = None,
+    outputs: list[str] | None = None,
     **kwargs: Any,
 ) -> StreamResult:
     """One request over a gRPC stream; waits `settle` s after the end to catch a second FINAL.
 
-    `on_response` is called (on this thread) after each data response arrives."""
+    `on_response` is called (on this thread) after each data response arrives; `outputs`: the
+    outputs to ask for (None: all)."""
     inputs = inputs if inputs is not None else make_inputs(grpcclient, **kwargs)
     events: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     result = StreamResult(started_at=time.perf_counter())
     client.start_stream(callback=lambda result, error: events.put((time.perf_counter(), result, error)))
     try:
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True, parameters=parameters)
+        requested = None if outputs is None else [grpcclient.InferRequestedOutput(name) for name in outputs]
+        client.async_stream_infer(
+            model, inputs, outputs=requested, enable_empty_final_response=True, parameters=parameters
+        )
         deadline = time.monotonic() + timeout
         ended = False
         while True:

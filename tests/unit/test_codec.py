@@ -107,6 +107,32 @@ def test_a_configured_max_tokens_limit_also_caps_the_default() -> None:
     assert request(sampling({"max_tokens": 8}), model=limited).sampling_params.max_tokens == 8
 
 
+def test_only_the_requested_outputs_are_built() -> None:
+    """Triton passes on only the outputs a client (or an ensemble step's output_map) asked for."""
+    generation = request(sampling({"n": 2}, return_num_output_tokens=boolean(True), return_finish_reason=boolean(True)))
+    completions = [CompletionOutput(0, "ab", [1, 2], None, None, "stop"), CompletionOutput(1, "c", [3], None, None)]
+    everything = codec.encode_response(_output(completions), generation, first=True)
+    assert set(everything) == {"text_output", "output_ids", "num_output_tokens", "finish_reason"}
+    generation.outputs = frozenset({"text_output", "num_output_tokens", "logprobs"})  # logprobs: not returned
+    arrays = codec.encode_response(_output(completions), generation, first=True)
+    assert set(arrays) == {"text_output", "num_output_tokens"}
+    for name, array in arrays.items():
+        assert array.tolist() == everything[name].tolist(), name
+    generation.outputs = frozenset({"output_ids"})
+    assert set(codec.encode_response(_output(completions), generation, first=False)) == {"output_ids"}
+
+
+def test_windows_not_requested_still_keep_the_context_for_later_ones() -> None:
+    generation = request({"input_ids": np.array([1, 2], dtype=np.int32), "return_detokenization_window": boolean(True)})
+    decode = lambda ids, _skip: "".join(chr(96 + i) for i in ids)  # noqa: E731
+    generation.outputs = frozenset({"output_ids"})
+    arrays = codec.encode_response(_output([CompletionOutput(0, "c", [3], None, None)]), generation, True, decode)
+    assert set(arrays) == {"output_ids"} and generation.context_ids == [1, 2, 3]
+    generation.outputs = None
+    arrays = codec.encode_response(_output([CompletionOutput(0, "d", [4], None, None)]), generation, False, decode)
+    assert generation.context_ids == [1, 2, 3, 4] and arrays["window_ids"].tolist()[-1] == 4
+
+
 def test_return_flags_are_read_and_windows_keep_the_context() -> None:
     generation = request(
         {

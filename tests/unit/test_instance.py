@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from triton_vllm_multistep.stub import codec, instance
+from triton_vllm_multistep.stub import codec, instance, triton_io
 
 
 class AutoCompleteConfig:
@@ -56,3 +56,18 @@ def test_auto_complete_adds_what_is_missing_and_keeps_what_is_there() -> None:
     assert outputs["window_offsets"]["dims"] == [3]
     assert completed["max_batch_size"] == 0
     assert completed["model_transaction_policy"] == {"decoupled": True}
+
+
+class _Requested:
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+    def requested_output_names(self) -> list[str]:
+        return self.names
+
+
+def test_requested_outputs_are_none_when_every_output_is_asked_for() -> None:
+    # Triton asks for every declared output when the client names none.
+    assert triton_io.requested_outputs(_Requested(list(instance.OUTPUT_NAMES)), instance.OUTPUT_NAMES) is None
+    asked = triton_io.requested_outputs(_Requested(["window_ids", "window_offsets"]), instance.OUTPUT_NAMES)
+    assert asked == frozenset({"window_ids", "window_offsets"})

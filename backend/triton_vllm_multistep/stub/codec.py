@@ -173,6 +173,11 @@ class GenerationRequest:
     context_ids: list[int] | None = None
     # Engine outputs per streamed response, when the request sets its own (`stream_interval`).
     stream_interval: int | None = None
+    # The outputs the client (or the ensemble step) asked for; None: all. Only these are built.
+    outputs: frozenset[str] | None = None
+
+    def wants(self, name: str) -> bool:
+        return self.outputs is None or name in self.outputs
 
 
 @dataclass(frozen=True)
@@ -432,43 +437,48 @@ def encode_response(
     first: bool,
     window_decode: Callable[[Sequence[int], int], str] | None = None,
 ) -> dict[str, np.ndarray]:
-    """One engine output (a delta when streaming, the whole result otherwise) → output arrays.
+    """One engine output (a delta when streaming, the whole result otherwise) → output arrays, only
+    those the request asked for (`request.outputs`: Triton passes on no other, so building them is
+    wasted per response).
 
     Arrays hold one element per completion (index = position), as in Triton's vLLM backend;
     `output_ids` is the completions' token ids back to back, split by `num_output_tokens`.
     """
     completions = output.outputs
-    prefix = request.prompt_text if (first and request.prepend_prompt and request.prompt_text) else ""
-    arrays: dict[str, np.ndarray] = {
-        "text_output": np.array([(prefix + c.text).encode("utf-8") for c in completions], dtype=np.object_),
-        "output_ids": np.fromiter((t for c in completions for t in c.token_ids), dtype=np.int32),
-    }
+    arrays: dict[str, np.ndarray] = {}
+    if request.wants("text_output"):
+        prefix = request.prompt_text if (first and request.prepend_prompt and request.prompt_text) else ""
+        arrays["text_output"] = np.array([(prefix + c.text).encode("utf-8") for c in completions], dtype=np.object_)
+    if request.wants("output_ids"):
+        arrays["output_ids"] = np.fromiter((t for c in completions for t in c.token_ids), dtype=np.int32)
     returns = request.returns
-    if returns.finish_reason:
+    if returns.finish_reason and request.wants("finish_reason"):
         arrays["finish_reason"] = np.array([str(c.finish_reason).encode() for c in completions], dtype=np.object_)
-    if returns.cumulative_logprob:
+    if returns.cumulative_logprob and request.wants("cumulative_logprob"):
         arrays["cumulative_logprob"] = np.array(
             [c.cumulative_logprob if c.cumulative_logprob is not None else math.nan for c in completions],
             dtype=np.float32,
         )
-    if returns.logprobs:
+    if returns.logprobs and request.wants("logprobs"):
         arrays["logprobs"] = np.array([_logprobs_json(c.logprobs) for c in completions], dtype=np.object_)
-    if returns.num_input_tokens:
+    if returns.num_input_tokens and request.wants("num_input_tokens"):
         arrays["num_input_tokens"] = np.array([len(request.prompt_token_ids)], dtype=np.uint32)
-    if returns.num_output_tokens:
+    if returns.num_output_tokens and request.wants("num_output_tokens"):
         arrays["num_output_tokens"] = np.array([len(c.token_ids) for c in completions], dtype=np.uint32)
     if request.context_ids is not None and window_decode is not None:
+        # The context grows with every output even when this response carries no window.
         completion = completions[0]
         request.context_ids.extend(completion.token_ids)
-        window = text_window(
-            request.context_ids,
-            len(request.prompt_token_ids),
-            len(completion.token_ids),
-            completion.text,
-            window_decode,
-        )
-        arrays["window_ids"] = np.array(window.ids, dtype=np.int32)
-        arrays["window_offsets"] = np.array([window.context, window.start, window.end], dtype=np.int32)
+        if request.wants("window_ids") or request.wants("window_offsets"):
+            window = text_window(
+                request.context_ids,
+                len(request.prompt_token_ids),
+                len(completion.token_ids),
+                completion.text,
+                window_decode,
+            )
+            arrays["window_ids"] = np.array(window.ids, dtype=np.int32)
+            arrays["window_offsets"] = np.array([window.context, window.start, window.end], dtype=np.int32)
     return arrays
 
 

@@ -61,6 +61,7 @@ OUTPUTS = [
     ("window_offsets", "TYPE_INT32", [3]),
 ]
 INPUT_NAMES = [name for name, *_ in INPUTS]
+OUTPUT_NAMES = [name for name, *_ in OUTPUTS]
 
 
 def auto_complete(auto_config: Any) -> Any:
@@ -331,6 +332,7 @@ class ModelServer:
                 logger.exception("unexpected error decoding a request")
                 self.responder.send_error(sender, f"invalid request: {error}", self._pb.TritonError.INVALID_ARG)
                 continue
+            generation.outputs = triton_io.requested_outputs(request, OUTPUT_NAMES)
             request_id = request.request_id() or ""
             engine_id = f"{request_id}-{uuid.uuid4().hex}" if request_id else uuid.uuid4().hex
             timing = None

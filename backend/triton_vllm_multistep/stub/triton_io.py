@@ -23,6 +23,13 @@ def input_arrays(pb_utils: Any, request: Any, names: Iterable[str]) -> dict[str,
     return inputs
 
 
+def requested_outputs(request: Any, declared: Iterable[str]) -> frozenset[str] | None:
+    """The outputs the client (or the ensemble step's output_map) asked for; None: every declared
+    output (Triton asks for all of them when the client names none)."""
+    names = frozenset(request.requested_output_names())
+    return None if names >= frozenset(declared) else names
+
+
 def response(pb_utils: Any, arrays: Mapping[str, np.ndarray]) -> Any:
     """An InferenceResponse with one output tensor per array."""
     return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, array) for name, array in arrays.items()])
