@@ -91,10 +91,11 @@ class TritonStreams:
     """Streams over `tritonclient.grpc.aio`: this backend (token ids in `output_ids`) and Triton's vLLM
     backend (`peers.TRITON_VLLM_BACKEND`: a count in `num_output_tokens`), same inputs otherwise."""
 
-    def __init__(self, url: str, max_tokens: int, peer: bool = False) -> None:
+    def __init__(self, url: str, max_tokens: int, peer: bool = False, outputs: list[str] | None = None) -> None:
         import tritonclient.grpc.aio as grpcaio
 
         self._grpcaio = grpcaio
+        self._outputs = outputs  # the outputs to ask for; None: all (the backend builds only those asked)
         self._client = grpcaio.InferenceServerClient(url)
         self._sampling = json.dumps({"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
         self._count_output = "num_output_tokens" if peer else "output_ids"
@@ -103,8 +104,10 @@ class TritonStreams:
         inputs = _make_inputs(self._grpcaio, text, self._sampling, self._count_output)
         record = RequestRecord(sent=time.perf_counter(), arrivals=[], counts=[])
 
+        outputs = None if self._outputs is None else [self._grpcaio.InferRequestedOutput(n) for n in self._outputs]
+
         async def requests():
-            yield {"model_name": MODEL, "inputs": inputs, "enable_empty_final_response": True}
+            yield {"model_name": MODEL, "inputs": inputs, "outputs": outputs, "enable_empty_final_response": True}
 
         try:
             async for result, error in self._client.stream_infer(requests()):
@@ -173,11 +176,15 @@ class OpenAIStreams:
         await self._session.close()
 
 
-def streams_for(server: Any, kind: str, max_tokens: int) -> TritonStreams | OpenAIStreams:
-    """The client of one server: `kind` is "backend" (ours) or one of peers.PEER_KINDS."""
+def streams_for(
+    server: Any, kind: str, max_tokens: int, outputs: list[str] | None = None
+) -> TritonStreams | OpenAIStreams:
+    """The client of one server: `kind` is "backend" (ours) or one of peers.PEER_KINDS; `outputs`: the
+    Triton outputs it asks for (None: all)."""
     if kind == peers.VLLM_SERVE:
         return OpenAIStreams(server.http_url, max_tokens)
-    return TritonStreams(f"127.0.0.1:{server.grpc_port}", max_tokens, peer=kind == peers.TRITON_VLLM_BACKEND)
+    peer = kind == peers.TRITON_VLLM_BACKEND
+    return TritonStreams(f"127.0.0.1:{server.grpc_port}", max_tokens, peer=peer, outputs=outputs)
 
 
 async def run_wave(streams: TritonStreams | OpenAIStreams, concurrency: int, base: int) -> list[RequestRecord]:
@@ -213,15 +220,18 @@ async def run_level(
     max_tokens: int,
     offset: int,
     offline: OfflineEngines | None = None,
+    outputs: dict[str, list[str] | None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Waves at one concurrency on every server, interleaved: wave k runs on each configuration in
     turn (the order rotating), then offline on the same prompts, so that the figures a ratio
     compares are taken seconds apart and a shared host's drift hits them alike. Each server's CPU
-    time is counted over its own waves. `kinds`: each server's kind ("backend" or a peer's)."""
+    time is counted over its own waves. `kinds`: each server's kind ("backend" or a peer's);
+    `outputs`: the outputs each server's client asks for (absent: all)."""
     import psutil
 
     names = list(servers)
-    clients = {name: streams_for(servers[name], kinds[name], max_tokens) for name in names}
+    wanted = outputs or {}
+    clients = {name: streams_for(servers[name], kinds[name], max_tokens, wanted.get(name)) for name in names}
     groups = {name: servers[name].process_groups() for name in names}
     me = psutil.Process()
     tallies = {

@@ -128,6 +128,7 @@ def run_served(
                     max_tokens,
                     10_000 * (index + 1),
                     offline,
+                    {name: CONFIGS[name].client_outputs for name in names},
                 )
             )
             for name, level in levels.items():

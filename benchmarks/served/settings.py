@@ -40,6 +40,8 @@ class Config:
     in_default_run: bool = True  # false: measured only when named with --configs
     # "backend" (this project) or a peer users would run instead (benchmarks/served/peers.py).
     server: str = "backend"
+    # The outputs the client asks for (None: all, as a client that names none gets).
+    client_outputs: list[str] | None = None
 
 
 _TABLES = tomllib.loads((Path(__file__).with_name("targets.toml")).read_text())
