@@ -71,3 +71,7 @@ def test_requested_outputs_are_none_when_every_output_is_asked_for() -> None:
     assert triton_io.requested_outputs(_Requested(list(instance.OUTPUT_NAMES)), instance.OUTPUT_NAMES) is None
     asked = triton_io.requested_outputs(_Requested(["window_ids", "window_offsets"]), instance.OUTPUT_NAMES)
     assert asked == frozenset({"window_ids", "window_offsets"})
+
+
+def test_a_stub_without_requested_output_names_builds_every_output() -> None:
+    assert triton_io.requested_outputs(object(), instance.OUTPUT_NAMES) is None

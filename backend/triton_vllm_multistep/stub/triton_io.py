@@ -25,8 +25,12 @@ def input_arrays(pb_utils: Any, request: Any, names: Iterable[str]) -> dict[str,
 
 def requested_outputs(request: Any, declared: Iterable[str]) -> frozenset[str] | None:
     """The outputs the client (or the ensemble step's output_map) asked for; None: every declared
-    output (Triton asks for all of them when the client names none)."""
-    names = frozenset(request.requested_output_names())
+    output (Triton asks for all of them when the client names none; a stub without
+    `requested_output_names` gets every output built, as before it was read)."""
+    ask = getattr(request, "requested_output_names", None)
+    if ask is None:
+        return None
+    names = frozenset(ask())
     return None if names >= frozenset(declared) else names
 
 
