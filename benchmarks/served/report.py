@@ -116,7 +116,7 @@ def annotate(results: dict[str, Any]) -> None:
     step, one = served.get("steps8_step", {}).get(1), served.get("steps1", {}).get(1)
     itl_ratio = step["itl_ms"]["p50"] / one["itl_ms"]["p50"] if step and one else None
     check("c=1: ITL p50 steps 8 per step / steps 1", itl_ratio, TARGETS["itl_step_vs_steps1_at_1"], False)
-    for suffix, where in (("", ", engine in the stub"), ("_process", ", engine process")):
+    for suffix, where in placements:
         merge, per_step = served.get(f"steps8_merge{suffix}", {}).get(1), served.get(f"steps8_step{suffix}", {}).get(1)
         if merge or not suffix:
             merge_itl = merge["itl_ms"]["p50"] / per_step["itl_ms"]["p50"] if merge and per_step else None

@@ -267,9 +267,7 @@ def test_an_engine_launched_on_cpus_builds_there_with_one_torch_thread_per_cpu()
     cpu = max(os.sched_getaffinity(0))
     process = EngineProcess()
     process.launch(use_ipex=False, cpus=(cpu,))
-    process.spec = EngineSpec(
-        _fields(), "step", user_threads={"VLLM_CPU_OMP_THREADS_BIND": str(cpu)}, use_ipex=False, cpus=(cpu,)
-    )
+    process.spec = EngineSpec(_fields(), "step", use_ipex=False, cpus=(cpu,))  # as the stub sends it
     try:
         process.start_engine()
         assert process.torch_threads == 1 and process.pid is not None

@@ -382,7 +382,12 @@ def _built_loop(spec: EngineSpec, connection: Connection) -> tuple[Any, Any]:
         if spec.cpus and set(spec.cpus) != os.sched_getaffinity(0):
             placed = cpu_placement.cpu_list_text(os.sched_getaffinity(0))
             raise EngineProcessError(f"the engine process runs on CPUs {placed}, not engine_cpus {spec.cpus}")
-        loop = serving_loop(EngineArgs(**spec.engine_args), spec.stream_mode, spec.user_threads)  # type: ignore[arg-type]
+        user_threads = spec.user_threads
+        if spec.cpus:
+            # launch() gave this process vLLM's binding of one torch thread to each of its CPUs; the
+            # serving thread policy (all cores but one) is for an engine that shares its cores.
+            user_threads = {**user_threads, **cpu_placement.engine_thread_environment(spec.cpus)}
+        loop = serving_loop(EngineArgs(**spec.engine_args), spec.stream_mode, user_threads)  # type: ignore[arg-type]
         engine = loop.start_engine()
     except BaseException as error:
         try:

@@ -118,10 +118,6 @@ def start_engine_runner(
 
     engine_mode = config.engine_stream_mode(settings.stream_mode)
     if process is not None:
-        if settings.engine_cpus:
-            # One torch thread bound to each of its CPUs by vLLM's CPU worker: the serving thread
-            # policy (all cores but one) is for an engine that shares its cores.
-            user_threads = {**user_threads, **cpu_placement.engine_thread_environment(settings.engine_cpus)}
         process.spec = EngineSpec(
             engine_values, engine_mode, user_threads=user_threads, use_ipex=settings.use_ipex, cpus=settings.engine_cpus
         )
