@@ -30,7 +30,7 @@ from private_servers import (
 from triton_clients import StreamResult, grpc_generate
 
 from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV
-from triton_vllm_multistep.testing.faults import FAULT_FILE_ENV
+from triton_vllm_multistep.testing.faults import FAULT_FILE_ENV, server_environment
 from triton_vllm_multistep.testing.local_server import ServerProcess, start_server
 
 MODEL = "vllm_model"
@@ -100,7 +100,7 @@ def lifecycle_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths:
         "--model-control-mode=explicit",
         f"--load-model={MODEL}",
         f"--load-model={STAYING}",
-        env={FAULT_FILE_ENV: str(fault_file)},
+        env=server_environment(fault_file),
     )
     handle.fault_file = fault_file  # type: ignore[attr-defined]
     try:

@@ -36,7 +36,7 @@ from triton_vllm_multistep.host import launcher
 from triton_vllm_multistep.lifecycle import triton_command
 from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV
 from triton_vllm_multistep.testing import kustomize
-from triton_vllm_multistep.testing.faults import FAULT_FILE_ENV
+from triton_vllm_multistep.testing.faults import server_environment
 from triton_vllm_multistep.testing.local_server import ServerProcess, free_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -153,7 +153,7 @@ def _stream(pod: Pod, sampling: dict, results: list, started: threading.Event, t
 def pod(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> Iterator[Pod]:
     """A pod with the test-only engine fault armed (its file absent: the engine runs normally)."""
     root = tmp_path_factory.mktemp("kubernetes-pod")
-    handle = Pod(root, {FAULT_FILE_ENV: str(root / "engine-fault")})
+    handle = Pod(root, server_environment(root / "engine-fault"))
     handle.fault_file = root / "engine-fault"  # type: ignore[attr-defined]
     try:
         handle.server.wait_ready(timeout=600)
@@ -246,7 +246,7 @@ def test_engine_failure_in_the_default_model_control_mode_fails_the_probe(
     """Without explicit model control a failed model stays loaded and READY (every request fails):
     the probe reads the engine's own gauge. The same container otherwise."""
     fault_file = tmp_path / "engine-fault"
-    pod = Pod(tmp_path, {FAULT_FILE_ENV: str(fault_file)}, drop_options=("--model-control-mode", "--load-model"))
+    pod = Pod(tmp_path, server_environment(fault_file), drop_options=("--model-control-mode", "--load-model"))
     try:
         pod.server.wait_ready(timeout=600)
         assert triton_command.parse(pod.command).model_control_mode == "none"

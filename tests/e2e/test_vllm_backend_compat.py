@@ -22,7 +22,7 @@ from private_servers import metric, model_ready, scrape, wait_for
 from triton_clients import grpc_generate, make_inputs
 from tritonclient.utils import InferenceServerException
 
-from triton_vllm_multistep.testing.faults import FAULT_FILE_ENV
+from triton_vllm_multistep.testing.faults import server_environment
 from triton_vllm_multistep.testing.local_server import ServerProcess, start_server
 
 THEIRS = "vllm_opt"  # their sample model's name
@@ -99,7 +99,7 @@ def compat_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: di
         root / "tritonserver.log",
         "--model-control-mode=explicit",
         f"--load-model={THEIRS}",
-        env={FAULT_FILE_ENV: str(fault_file)},
+        env=server_environment(fault_file),
     )
     handle.fault_file = fault_file  # type: ignore[attr-defined]
     try:

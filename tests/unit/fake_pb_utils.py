@@ -81,15 +81,18 @@ class ResponseSender:
     fail_sends: bool = False  # the client is gone: send() raises
     sent: list[tuple[InferenceResponse, int]] = field(default_factory=list)
     cancel_checks: int = 0
+    threads: set[str] = field(default_factory=set)  # names of the threads that called send / is_cancelled
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        self.threads.add(threading.current_thread().name)
         if self.fail_sends:
             raise TritonError("the client has gone away", TritonError.UNAVAILABLE)
         with self._lock:
             self.sent.append((response, flags))
 
     def is_cancelled(self) -> bool:
+        self.threads.add(threading.current_thread().name)
         self.cancel_checks += 1
         return self.cancelled
 

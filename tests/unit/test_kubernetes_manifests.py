@@ -23,7 +23,13 @@ from yamllint import linter
 
 from triton_vllm_multistep.host import cli, kubernetes, probe
 from triton_vllm_multistep.lifecycle import triton_command
-from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV, EXIT_GRACE_SECONDS, SETTLE_SECONDS
+from triton_vllm_multistep.lifecycle.protocol import (
+    DRAIN_FILE_ENV,
+    EXIT_GRACE_SECONDS,
+    HEARTBEAT_METRIC,
+    HEARTBEAT_STALE_SECONDS,
+    SETTLE_SECONDS,
+)
 from triton_vllm_multistep.testing import kustomize
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -273,6 +279,30 @@ def test_probe_healthy_when_every_check_holds() -> None:
 def test_probe_reports_each_failure(case: str, model: probe.ModelHealth, reason: str) -> None:
     found = probe.problems(probe.ServerHealth(live=True, models=[model]))
     assert len(found) == 1 and reason in found[0], (case, found)
+
+
+def test_probe_reports_a_heartbeat_older_than_its_bound_and_names_the_instance() -> None:
+    """A stopped stub, or a Python backend wedged inside tritonserver: every other signal says healthy."""
+    now = 1_800_000_000.0
+    fresh = probe.ServerHealth(live=True, models=[_model(heartbeats={"m_0_0": now - 1.0})], metrics_read_at=now)
+    assert probe.problems(fresh) == []
+    stale = probe.ServerHealth(
+        live=True,
+        models=[_model(heartbeats={"m_0_0": now - 1.0, "m_0_1": now - HEARTBEAT_STALE_SECONDS - 0.5})],
+        metrics_read_at=now,
+    )
+    (found,) = probe.problems(stale)
+    assert "instance m_0_1" in found and "4.5 s ago" in found and "stuck" in found
+
+
+def test_probe_reads_each_instances_heartbeat_of_the_model() -> None:
+    text = (
+        f'{HEARTBEAT_METRIC}{{instance="m_0_0",model="m",version="1"}} 1800000000.5\n'
+        f'{HEARTBEAT_METRIC}{{instance="m_0_1",model="m",version="1"}} 1800000001\n'
+        f'{HEARTBEAT_METRIC}{{instance="other_0_0",model="other",version="1"}} 5\n'
+    )
+    assert probe.heartbeat_values(text, "m") == {"m_0_0": 1800000000.5, "m_0_1": 1800000001.0}
+    assert probe.heartbeat_values(text, "absent") == {}
 
 
 def test_probe_reports_a_dead_server_and_no_models() -> None:

@@ -8,6 +8,7 @@ here the thread runs as in the stub, fed with the engine events it gets there.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import fake_pb_utils as pb
@@ -17,6 +18,7 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from triton_vllm_multistep.engine.events import EngineDied, RequestFailed, StepOutputs
 from triton_vllm_multistep.stub.codec import GenerationRequest
 from triton_vllm_multistep.stub.responder import RequestState, Responder
+from triton_vllm_multistep.stub.triton_io import TritonCaller, WrongThreadError
 from triton_vllm_multistep.testing.polling import wait_for
 
 
@@ -172,16 +174,119 @@ def test_after_intake_closes_no_request_is_registered_and_errors_are_final() -> 
     assert sender.finals == 1 and error_of(sender).message() == "not taking new requests"
 
 
-def test_fail_ends_a_request_once_even_when_asked_twice_at_once() -> None:
-    responder = Responder(pb, abort=lambda _: None)
-    generation = GenerationRequest(prompt_token_ids=[1], sampling_params=None, stream=True)
-    sender = pb.ResponseSender()
-    responder.register("r", RequestState(sender=sender, request=generation))
+def test_end_asked_from_many_threads_at_once_sends_one_final_from_the_response_thread(harness: Harness) -> None:
+    sender = harness.register("r")
     threads = [
-        threading.Thread(target=responder.fail, args=("r", "gone", pb.TritonError.UNAVAILABLE)) for _ in range(8)
+        threading.Thread(target=harness.responder.end, args=("r", "gone", pb.TritonError.UNAVAILABLE)) for _ in range(8)
     ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert sender.finals == 1
+    assert wait_until(lambda: sender.finals == 1)
+    harness.stop()
+    assert sender.finals == 1 and error_of(sender).message() == "gone"
+    assert sender.threads == {"triton-responder"}
+
+
+def test_refusals_from_execute_threads_are_sent_by_the_response_thread(harness: Harness) -> None:
+    senders = [pb.ResponseSender() for _ in range(4)]
+    threads = [
+        threading.Thread(target=harness.responder.refuse, args=(s, f"bad {i}", pb.TritonError.INVALID_ARG))
+        for i, s in enumerate(senders)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wait_until(lambda: all(s.finals == 1 for s in senders))
+    harness.stop()
+    for index, sender in enumerate(senders):
+        assert sender.threads == {"triton-responder"}
+        assert error_of(sender).message() == f"bad {index}" and error_of(sender).code() == pb.TritonError.INVALID_ARG
+
+
+def test_a_call_into_triton_from_a_thread_that_does_not_own_the_calls_is_refused(harness: Harness) -> None:
+    sender = pb.ResponseSender()
+    raised: list[BaseException] = []
+
+    def send_from_here() -> None:
+        try:
+            harness.responder.send_error(sender, "from the wrong thread", pb.TritonError.INTERNAL)
+        except WrongThreadError as error:
+            raised.append(error)
+
+    thread = threading.Thread(target=send_from_here, name="some-feature-thread")
+    thread.start()
+    thread.join()
+    assert len(raised) == 1 and "some-feature-thread" in str(raised[0]) and "triton-responder" in str(raised[0])
+    assert sender.sent == [] and sender.threads == set()
+
+
+def test_the_calls_into_triton_pass_to_the_response_thread_and_back_to_the_thread_that_stops_it() -> None:
+    caller = TritonCaller()
+    responder = Responder(pb, abort=lambda _: None, caller=caller)
+    assert caller.owner is threading.current_thread()
+    responder.start()
+    assert caller.owner.name == "triton-responder"
+    with pytest.raises(WrongThreadError):
+        caller.check("a metrics push")
+    responder.stop("stopping")
+    assert caller.owner is threading.current_thread()
+    caller.check("closing the metrics")  # finalize's thread may call again
+
+
+def test_engine_death_is_counted_before_the_errors_and_quiesce_ends_the_optional_calls() -> None:
+    """Metrics hear of the failure first (on the response thread), then each request its error; after
+    quiesce() (the model's unload is asked) no heartbeat, flush or cancellation check reaches Triton."""
+    order: list[str] = []
+
+    class Observer:
+        def on_engine_died(self) -> None:
+            order.append(f"died on {threading.current_thread().name}")
+
+        def maybe_flush(self, now: float) -> None:
+            order.append("flush")
+
+        def flush(self) -> None:
+            pass
+
+    responder = Responder(pb, abort=lambda _: None, observer=Observer())
+    beats: list[float] = []
+    responder.heartbeat = beats.append
+    sender = pb.ResponseSender()
+    generation = GenerationRequest(prompt_token_ids=[1], sampling_params=None, stream=True)
+    responder.register("a", RequestState(sender=sender, request=generation))
+    responder.after_engine_death = lambda message: (order.append(f"errors sent: {sender.finals}"), responder.quiesce())
+    responder.start()
+    assert wait_until(lambda: beats and "flush" in order)
+    responder.post(EngineDied("the engine failed: boom", ["a"]))
+    assert wait_until(lambda: any(entry.startswith("errors sent") for entry in order))
+    deaths = [i for i, entry in enumerate(order) if entry.startswith("died")]
+    assert order[deaths[0]] == "died on triton-responder" and order[-1] == "errors sent: 1"
+    quiet_from, beats_then = len(order), len(beats)
+    cancel_checks = sender.cancel_checks
+    time.sleep(0.3)  # several turns of the response thread's loop (every 50 ms)
+    responder.stop("stopping")
+    assert order[quiet_from:] == [] and len(beats) == beats_then and sender.cancel_checks == cancel_checks
+
+
+def test_a_send_that_fails_once_ends_the_stream_with_an_error_final(harness: Harness) -> None:
+    """A failed send (Triton's IPC, not a client gone) never leaves the client without an end."""
+    sender = harness.register("a")
+    real_send = sender.send
+    failures = [RuntimeError("An error occurred while sending a response.")]
+
+    def send_failing_once(response: pb.InferenceResponse | None = None, flags: int = 0) -> None:
+        if failures:
+            raise failures.pop()
+        real_send(response, flags)
+
+    sender.send = send_failing_once  # type: ignore[method-assign]
+    harness.step(("a", "x", [1], False))
+    assert wait_until(lambda: sender.finals == 1)
+    harness.step(("a", "y", [2], True))  # the engine's next output: the request has ended
+    harness.stop()
+    assert harness.aborted == ["a"] and sender.finals == 1
+    assert error_of(sender).code() == pb.TritonError.INTERNAL
+    assert "An error occurred while sending a response." in error_of(sender).message()

@@ -35,7 +35,6 @@ from triton_vllm_multistep.engine.events import (
 from triton_vllm_multistep.engine.factory import build_engine, serving_torch_threads
 from triton_vllm_multistep.engine.prefix_cache import prefix_cache_hit_rate
 from triton_vllm_multistep.engine.warmup import warmed_up
-from triton_vllm_multistep.testing.faults import install_fault_injection
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +221,6 @@ class EngineLoop:
         model = driver_model(engine) if time_steps and module_hooks_time_the_forward_pass(engine) else None
         self._clock = ForwardClock(model) if model is not None else None
         self._time_steps = time_steps
-        install_fault_injection(driver_model(engine))
         self._serving.set()
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:

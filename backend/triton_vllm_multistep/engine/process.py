@@ -367,6 +367,9 @@ def prepare(use_ipex: bool, placement: str = cpu_placement.ALL_CPUS) -> None:
 
         turn_ipex_off()  # before vLLM is imported in this process
     import triton_vllm_multistep.engine.loop  # noqa: F401  (vLLM and torch: the slow part of a start)
+    from triton_vllm_multistep.engine.extensions import install_from_environment
+
+    install_from_environment()
 
 
 def _built_loop(spec: EngineSpec, connection: Connection) -> tuple[Any, Any]:

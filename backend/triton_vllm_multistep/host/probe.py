@@ -13,7 +13,12 @@ model is healthy only if all of these hold (docs/scaling-out.md has the table):
 - its `vllm_multistep:engine_alive` series (when exported) are all 1: catches a failed engine
   where the model stays loaded (default/poll mode, or unload_on_engine_failure false);
 - as many live stub processes run it as its instance groups ask for: catches a killed or
-  crashed stub, which Triton does not notice until a request reaches it.
+  crashed stub, which Triton does not notice until a request reaches it;
+- each of its instances' heartbeat (`vllm_multistep:heartbeat_timestamp_seconds`, set by the
+  stub's response thread through tritonserver every second, stub/heartbeat.py) is at most
+  HEARTBEAT_STALE_SECONDS old: catches a stub or a tritonserver Python backend that is alive but
+  stuck (a stopped process, a wedged IPC thread after a crash inside tritonserver), which every
+  other signal here reports healthy.
 With --readiness, a server asked to drain (its drain file names it) is not ready either.
 Each answer costs a few local HTTP calls and a /proc scan; nothing enters the engine's queue,
 so a busy pod is never reported dead for being busy.
@@ -33,7 +38,12 @@ from typing import Any
 
 from triton_vllm_multistep.host.launcher import BACKEND_NAME
 from triton_vllm_multistep.lifecycle import procfs, server_drain, triton_command
-from triton_vllm_multistep.lifecycle.protocol import CLOCK_SLACK_SECONDS, DRAIN_FILE_ENV
+from triton_vllm_multistep.lifecycle.protocol import (
+    CLOCK_SLACK_SECONDS,
+    DRAIN_FILE_ENV,
+    HEARTBEAT_METRIC,
+    HEARTBEAT_STALE_SECONDS,
+)
 
 ENGINE_ALIVE_METRIC = "vllm_multistep:engine_alive"
 TRITON_DEFAULT_METRICS_PORT = 8002
@@ -55,6 +65,7 @@ class ModelHealth:
     expected_stubs: int = 0  # this backend's models: stub processes its instance groups ask for
     live_stubs: int = 0
     engine_alive: list[float] = field(default_factory=list)  # every engine_alive series of the model
+    heartbeats: dict[str, float] = field(default_factory=dict)  # instance → its heartbeat (Unix time)
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,7 @@ class ServerHealth:
     live: bool
     models: list[ModelHealth]
     draining: bool = False
+    metrics_read_at: float = 0.0  # time.time() when the metrics were read (heartbeat ages are from it)
 
 
 def problems(health: ServerHealth, readiness: bool = False) -> list[str]:
@@ -81,6 +93,14 @@ def problems(health: ServerHealth, readiness: bool = False) -> list[str]:
             continue
         if any(value != 1 for value in model.engine_alive):
             found.append(f"model {model.name}: its vLLM engine has failed ({ENGINE_ALIVE_METRIC} 0)")
+        for instance, beat in sorted(model.heartbeats.items()):
+            age = health.metrics_read_at - beat
+            if age > HEARTBEAT_STALE_SECONDS:
+                found.append(
+                    f"model {model.name}: instance {instance} last reached tritonserver {age:.1f} s ago "
+                    f"({HEARTBEAT_METRIC}; stale after {HEARTBEAT_STALE_SECONDS:.0f} s): its stub or tritonserver's "
+                    "Python backend is stuck"
+                )
         if model.live_stubs < model.expected_stubs:
             found.append(
                 f"model {model.name}: {model.live_stubs} of {model.expected_stubs} stub process(es) running "
@@ -106,6 +126,16 @@ def metric_values(text: str, name: str, model: str) -> list[float]:
         if dict(re.findall(r'(\w+)="([^"]*)"', match.group(1))).get("model") == model:
             values.append(float(match.group(2)))
     return values
+
+
+def heartbeat_values(text: str, model: str) -> dict[str, float]:
+    """Instance → heartbeat value of every HEARTBEAT_METRIC series of `model` in Prometheus text."""
+    beats = {}
+    for match in re.finditer(rf"^{re.escape(HEARTBEAT_METRIC)}\{{([^}}]*)\}} (\S+)", text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+        if labels.get("model") == model:
+            beats[labels.get("instance", "")] = float(match.group(2))
+    return beats
 
 
 def find_server(drain_file: str | None) -> int:
@@ -209,6 +239,7 @@ def gather(
             stubs[name] = stubs.get(name, 0) + 1
     url = metrics_url(argv)
     metrics = http.call("", base=url)[1].decode(errors="replace") if url else ""
+    metrics_read_at = time.time()
     found = []
     for name in names:
         status, _ = http.call(f"/v2/models/{name}/ready")
@@ -226,9 +257,12 @@ def gather(
                 expected_stubs=expected_stubs(config) if backend == BACKEND_NAME else 0,
                 live_stubs=stubs.get(name, 0),
                 engine_alive=metric_values(metrics, ENGINE_ALIVE_METRIC, name),
+                heartbeats=heartbeat_values(metrics, name),
             )
         )
-    return ServerHealth(live=True, models=found, draining=draining(server_pid, drain_file))
+    return ServerHealth(
+        live=True, models=found, draining=draining(server_pid, drain_file), metrics_read_at=metrics_read_at
+    )
 
 
 def run(drain_file: str | None, models: Sequence[str], readiness: bool, timeout: float) -> tuple[bool, list[str]]:

@@ -1,4 +1,5 @@
-"""The drain protocol and every timing constant of the Triton 2.51 shutdown workaround.
+"""The drain protocol, the heartbeat's name, and every timing constant of the Triton 2.51 shutdown
+and health workarounds.
 
 Owns the drain file's format (who writes what, where), the messages clients see and the
 timings; must hold no logic beyond naming files. Model side: `drain`; host side: `server_drain`
@@ -43,6 +44,13 @@ READINESS_POLL_SECONDS = 0.25
 READINESS_FIRST_ANSWER_POLL_SECONDS = 0.02
 # File mtimes and /proc start times have clock-tick resolution.
 CLOCK_SLACK_SECONDS = 1.0
+# The instances' heartbeat (stub/heartbeat.py sets it, host/probe.py reads its age): what the
+# Python backend's health endpoints cannot show, an instance alive but stuck. Set every
+# HEARTBEAT_SECONDS by the response thread; older than HEARTBEAT_STALE_SECONDS (a few beats: a
+# beat can wait behind one engine step's responses) is stuck, within the readiness probe's period.
+HEARTBEAT_METRIC = "vllm_multistep:heartbeat_timestamp_seconds"
+HEARTBEAT_SECONDS = 1.0
+HEARTBEAT_STALE_SECONDS = 4.0
 
 
 def drained_marker(drain_file: Path, stub_pid: int) -> Path:

@@ -10,14 +10,13 @@ import gc
 import json
 import logging
 import os
-import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 from triton_vllm_multistep.demo.smollm2 import DemoModelError
-from triton_vllm_multistep.engine import cpu_placement
+from triton_vllm_multistep.engine import cpu_placement, extensions
 from triton_vllm_multistep.engine.events import EngineRunner
 from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec, NoPythonForEngineProcess
 from triton_vllm_multistep.lifecycle import drain, protocol, triton_command
@@ -171,7 +170,12 @@ class ModelServer:
 
             turn_ipex_off()  # before the first vLLM import below
         self._pb = pb_utils
+        # The one thread that calls into Triton: this one until the response thread starts, then it.
+        self.caller = triton_io.TritonCaller()
         self.model_name = args.get("model_name") or model_config["name"]
+        # Names the model in this stub and the engine process it starts (tools, extension modules).
+        os.environ[extensions.MODEL_NAME_ENV] = self.model_name
+        extensions.install_from_environment()  # test-only fault hooks, when the environment names them
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise config.ConfigError("model_transaction_policy { decoupled: true } is required: this backend streams")
         self.settings = config.backend_settings(model_config, engine_json)
@@ -230,16 +234,21 @@ class ModelServer:
                     str(args.get("model_version", "1")),
                     facts.max_model_len,
                     instances=config.instance_count(model_config, gpu_count()),
+                    caller=self.caller,
                 )
+            self.heartbeat = self._start_heartbeat(args)
             self.responder = Responder(
                 pb_utils,
                 abort=lambda rid: self.loop.abort(rid),
                 observer=self.metrics,
                 stream_interval=self.settings.stream_interval,
                 merge_when_behind=self.settings.stream_mode == "merge",
+                caller=self.caller,
             )
             self.responder.window_decode = window_decoder(self._load_tokenizer(engine_args))
             self.responder.after_engine_death = self._after_engine_death_answered
+            if self.heartbeat is not None:
+                self.responder.heartbeat = self.heartbeat.beat
             if self.metrics is not None:
                 self.metrics.response_queue_depth = self.responder.queued_steps
             # Everything built so far (torch, vLLM, the model: ~10^6 objects) lives as long as the
@@ -252,7 +261,6 @@ class ModelServer:
                 sink=self.responder.post,
                 on_state=self.metrics.update_engine_state if self.metrics else None,
                 time_steps=self.metrics is not None,
-                on_death=self._on_engine_death,
             )
             self.drain = drain.unload_drain_for(
                 self.model_name,
@@ -285,6 +293,17 @@ class ModelServer:
             self.drain.drain_seconds,
         )
 
+    def _start_heartbeat(self, args: dict[str, str]) -> Any:
+        """The instance's heartbeat gauge (stub/heartbeat.py), or None where Triton has no metrics."""
+        from triton_vllm_multistep.stub.heartbeat import Heartbeat
+
+        instance = args.get("model_instance_name") or f"{self.model_name}_0"
+        try:
+            return Heartbeat(self._pb, self.model_name, str(args.get("model_version", "1")), instance, self.caller)
+        except Exception as error:  # tritonserver --allow-metrics=false: no custom metrics at all
+            logger.warning("vllm_multistep: model %s: no heartbeat gauge (%s)", self.model_name, error)
+            return None
+
     def _placement_text(self) -> str:
         cpus = self.settings.engine_cpus
         return f" on CPUs {cpu_placement.cpu_list_text(cpus)}" if cpus else ""
@@ -311,7 +330,7 @@ class ModelServer:
                 self._refuse(sender)
                 continue
             if not self.loop.healthy:
-                self.responder.send_error(sender, self._unhealthy_message(), self._pb.TritonError.UNAVAILABLE)
+                self.responder.refuse(sender, self._unhealthy_message(), self._pb.TritonError.UNAVAILABLE)
                 continue
             try:
                 generation = codec.decode_request(
@@ -322,11 +341,11 @@ class ModelServer:
                     decode=self._tokenizer.decode,
                 )
             except codec.RequestError as error:
-                self.responder.send_error(sender, str(error), self._pb.TritonError.INVALID_ARG)
+                self.responder.refuse(sender, str(error), self._pb.TritonError.INVALID_ARG)
                 continue
             except Exception as error:
                 logger.exception("unexpected error decoding a request")
-                self.responder.send_error(sender, f"invalid request: {error}", self._pb.TritonError.INVALID_ARG)
+                self.responder.refuse(sender, f"invalid request: {error}", self._pb.TritonError.INVALID_ARG)
                 continue
             generation.outputs = triton_io.requested_outputs(request, OUTPUT_NAMES)
             request_id = request.request_id() or ""
@@ -349,45 +368,42 @@ class ModelServer:
             if not self.loop.healthy:
                 # The engine died between the check above and the submit: nobody else will
                 # answer this request (fail() is a no-op if the death handling already did).
-                self.responder.fail(engine_id, self._unhealthy_message(), self._pb.TritonError.UNAVAILABLE)
+                self.responder.end(engine_id, self._unhealthy_message(), self._pb.TritonError.UNAVAILABLE)
 
     def _unhealthy_message(self) -> str:
         return f"{UNHEALTHY_ENGINE_MESSAGE}: {self.loop.error or 'the engine is not running'}"
 
     def _refuse(self, sender: Any) -> None:
         reason = self.responder.intake_closed
-        self.responder.send_error(sender, f"{reason}: not taking new requests", self._pb.TritonError.UNAVAILABLE)
-
-    def _on_engine_death(self, message: str) -> None:
-        """Engine thread, once, before the requests in flight are failed: count the failure."""
-        if self.metrics is not None:
-            self.metrics.on_engine_died()
+        self.responder.refuse(sender, f"{reason}: not taking new requests", self._pb.TritonError.UNAVAILABLE)
 
     def _after_engine_death_answered(self, message: str) -> None:
         """Response thread, once every request in flight has its error: take the model out of service.
 
-        The unload comes after the errors, never beside or before them: Triton 2.51 unloads a
-        decoupled Python model at once (its requests are released when execute() returns), and an
-        unload that starts while the model still sends responses corrupted tritonserver's heap
-        (seen under load: "malloc(): unaligned fastbin chunk detected", SIGABRT, the server hung)
-        or lost a FINAL. So a client checking readiness the instant it gets its error can still
-        find the model ready for a moment (docs/lifecycle.md).
+        Made on the response thread itself, after the errors it has just sent, so the unload can
+        never overlap a send, a cancellation check or a metrics update of this model (Triton 2.51's
+        Python backend handles each of those on threads of its own, and releases a decoupled model
+        once its last response factory is gone: docs/architecture.md, "One thread calls into
+        Triton"). A client checking readiness the instant it gets its error can still find the
+        model ready for a moment (docs/lifecycle.md).
         """
         if not self.settings.unload_on_engine_failure:
             logger.error(
                 "vllm_multistep: model %s: engine failed (%s); answering UNAVAILABLE", self.model_name, message
             )
             return
-        threading.Thread(target=self._unload_self, args=(message,), name="vllm-self-unload", daemon=True).start()
+        self._unload_self(message)
 
     def _unload_self(self, message: str) -> None:
         """Ask Triton to unload this model (explicit model control only), and log how it went.
 
         Python-based backends in Triton 2.51 cannot report "not ready" themselves (no `is_ready`
-        hook): unloading is the only way to stop the model being reported ready. Triton reports it
-        not ready from the moment the unload starts and waits for the requests in flight, which
-        the engine's failure is ending. In other model-control modes Triton refuses, and the model
-        stays loaded answering UNAVAILABLE.
+        hook): unloading is the only way to stop the model being reported ready. Triton's unload
+        returns once started (its model lifecycle unloads asynchronously), so the response thread
+        waits for no more than the request's round trip. Once asked, the response thread makes no
+        optional call into Triton any more (heartbeat, metrics, cancellation checks): the model is
+        going away, and only requests Triton still hands it get answers (UNAVAILABLE). In other
+        model-control modes Triton refuses, and the model stays loaded answering UNAVAILABLE.
         """
         mode = self._server_command.model_control_mode if self._server_command else None
         try:
@@ -396,6 +412,8 @@ class ModelServer:
             # is_model_ready during a server stop (see lifecycle/drain.py), so it is not made.
             if mode not in (None, "explicit"):
                 raise RuntimeError(f"the server runs with --model-control-mode={mode}")
+            self.caller.check("unloading the model")
+            self.responder.quiesce()
             self._pb.unload_model(self.model_name)
         except Exception as error:
             logger.error(
@@ -416,11 +434,12 @@ class ModelServer:
         # The engine thread ends by releasing remote (tensor-parallel) workers from their execution
         # loop: a worker still in it never reads the executor's shutdown request.
         self.loop.stop()
-        self.responder.stop(protocol.UNLOADING_MESSAGE)
-        if self.metrics is not None:
-            try:
-                self.metrics.close()
-            except Exception:
-                logger.exception("closing the metrics failed")
+        self.responder.stop(protocol.UNLOADING_MESSAGE)  # hands the calls into Triton back to this thread
+        for closing in (self.heartbeat, self.metrics):
+            if closing is not None:
+                try:
+                    closing.close()
+                except Exception:
+                    logger.exception("closing the metrics failed")
         self.loop.shutdown()
         logger.info("vllm_multistep: model %s finalized: engine shut down", self.model_name)

@@ -3,7 +3,8 @@
 Owns metric names, labels, buckets and the batching of updates; must not decide anything from
 them. Every pb_utils metric call is a blocking round trip from the stub to tritonserver (about
 20 µs idle, more under load), so nothing here calls pb_utils per response: the responder and
-engine threads record into plain Python accumulators, and the responder pushes them (`flush()`)
+engine threads record into plain Python accumulators, and the responder (the one thread that calls
+into Triton while it runs, triton_io.TritonCaller, checked by every push) pushes them (`flush()`)
 before it sends any FINAL, so a request's counts are on the endpoint by the time its client has
 its last response; in between, `maybe_flush()` pushes streaming progress at most every
 `FLUSH_SECONDS`, and at once when the engine goes idle.
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from triton_vllm_multistep.engine.events import KvCacheStats, StepOutputs
+from triton_vllm_multistep.stub.triton_io import TritonCaller
 
 FLUSH_SECONDS = 0.25
 # Buckets of Triton's vLLM backend (utils/metrics.py), so dashboards built for it keep working.
@@ -135,7 +137,16 @@ def _le(bound: float) -> str:
 class BackendMetrics:
     """All metrics of one model instance, labelled with model and version like Triton's vLLM backend."""
 
-    def __init__(self, pb_utils: Any, model: str, version: str, max_model_len: int, instances: int = 1) -> None:
+    def __init__(
+        self,
+        pb_utils: Any,
+        model: str,
+        version: str,
+        max_model_len: int,
+        instances: int = 1,
+        caller: TritonCaller | None = None,
+    ) -> None:
+        self._caller = caller or TritonCaller()
         labels = {"model": model, "version": version}
         kinds = pb_utils.MetricFamily
         # A Metric is only valid while its MetricFamily object lives: keep every family.
@@ -315,7 +326,8 @@ class BackendMetrics:
             self._overhead.observe(max(0.0, event.step_seconds - event.forward_seconds))
 
     def on_engine_died(self) -> None:
-        """The engine has failed and its requests are being failed: say so at once (engine thread)."""
+        """The engine has failed: say so at once, before its requests get their errors (responder thread)."""
+        self._caller.check("reporting the engine's failure")
         with self._flush_lock:
             self._engine_state = None
             self._alive.set(0)
@@ -328,6 +340,7 @@ class BackendMetrics:
         Dropping the last reference to a MetricFamily removes it from Triton's registry; without
         this an unloaded model would keep showing its last gauges.
         """
+        self._caller.check("closing the metrics")
         with self._flush_lock:
             try:
                 self._flush()
@@ -356,6 +369,7 @@ class BackendMetrics:
             self._flush()
 
     def _flush(self) -> None:
+        self._caller.check("pushing metrics")
         if self._prompt_pending:
             self._prompt_tokens.increment(self._prompt_pending)
             self._prompt_pending = 0

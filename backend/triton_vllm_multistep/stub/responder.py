@@ -139,6 +139,24 @@ class EndRequests:
     message: str
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """An error FINAL for a request that never got into the engine (refused or invalid)."""
+
+    sender: Any
+    message: str
+    code: Any
+
+
+@dataclass(frozen=True)
+class EndRequest:
+    """End one registered request with an error FINAL (unless it has ended already)."""
+
+    request_id: str
+    message: str
+    code: Any
+
+
 @dataclass
 class RequestState:
     """What the responder knows of one request in flight."""
@@ -165,8 +183,11 @@ class Responder:
         max_queued_steps: int = MAX_QUEUED_STEPS,
         stream_interval: int = 1,
         merge_when_behind: bool = False,
+        caller: triton_io.TritonCaller | None = None,
     ) -> None:
         self._pb = pb_utils
+        # Only this responder's thread calls into Triton while it runs (triton_io.TritonCaller).
+        self.caller = caller or triton_io.TritonCaller()
         # Engine outputs per streamed response unless the request sets its own. With
         # `merge_when_behind` ("merge" stream mode) the interval also follows what responses cost
         # (AdaptiveInterval), and a stream's outputs are held while more engine steps are queued.
@@ -186,10 +207,14 @@ class Responder:
         self._final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         # Called on this thread once the errors of an engine failure are sent (not on stop()).
         self.after_engine_death: Callable[[str], None] | None = None
+        # Called on this thread every turn of its loop (stub/heartbeat.py: sets its gauge when due).
+        self.heartbeat: Callable[[float], None] | None = None
         self._stopping = False
+        self._quiet = False  # quiesce(): the model's unload is asked
         self._thread = threading.Thread(target=self._run, name="triton-responder", daemon=True)
 
     def start(self) -> None:
+        self.caller.hand_to(self._thread)
         self._thread.start()
 
     def stop(self, reason: str, timeout: float = 10.0) -> None:
@@ -204,6 +229,10 @@ class Responder:
         if self._thread.is_alive():
             self._thread.join(timeout)
         self._events.close()
+        if not self._thread.is_alive():
+            self.caller.hand_to(threading.current_thread())  # it has ended: the calls are ours again
+        else:
+            logger.error("the response thread did not end within %.0f s: its calls into Triton stay its own", timeout)
 
     def post(self, event: EngineEvent) -> None:
         """Called from the engine thread: a queue put; waits while MAX_QUEUED_STEPS steps are queued."""
@@ -224,6 +253,12 @@ class Responder:
         in the Python backend when the second send reaches a response factory the FINAL freed).
         """
         self._events.put(EndRequests(message))
+
+    def quiesce(self) -> None:
+        """Response thread: from now on make no optional call into Triton (heartbeat, metrics flushes,
+        cancellation checks); events are still answered. Called once the model's unload is asked."""
+        self.caller.check("quiescing")
+        self._quiet = True
 
     def register(self, request_id: str, state: RequestState) -> bool:
         """Take a request in; False (not taken) once intake is closed."""
@@ -248,15 +283,25 @@ class Responder:
     def error_response(self, message: str, code: Any) -> Any:
         return triton_io.error_response(self._pb, message, code)
 
+    def refuse(self, sender: Any, message: str, code: Any) -> None:
+        """Any thread: have the response thread send one error FINAL to a request that never got into
+        the engine (execute() refuses requests this way: it makes no call into Triton itself)."""
+        self._events.put(Refusal(sender, message, code))
+
+    def end(self, request_id: str, message: str, code: Any) -> None:
+        """Any thread: have the response thread end a registered request with an error FINAL."""
+        self._events.put(EndRequest(request_id, message, code))
+
     def send_error(self, sender: Any, message: str, code: Any) -> None:
-        """One error response flagged FINAL, to a request that never got into the engine."""
+        """Response thread: one error response flagged FINAL."""
+        self.caller.check("sending an error response")
         try:
             sender.send(self.error_response(message, code), flags=self._final)
         except Exception:
             logger.warning("could not send error response: %s", message)
 
     def fail(self, request_id: str, message: str, code: Any) -> None:
-        """End a registered request with an error FINAL, unless it has already ended."""
+        """Response thread: end a registered request with an error FINAL, unless it has already ended."""
         with self._lock:
             state = self._states.pop(request_id, None)
         if state is not None:
@@ -281,6 +326,13 @@ class Responder:
                 except Exception:
                     logger.exception("responder failed on %s", type(event).__name__)
             now = time.monotonic()
+            if self._quiet:
+                continue
+            if self.heartbeat is not None:
+                try:
+                    self.heartbeat(now)
+                except Exception:
+                    logger.exception("setting the heartbeat failed")
             if self._observer is not None:
                 try:
                     self._observer.maybe_flush(now)
@@ -293,12 +345,18 @@ class Responder:
                 except Exception:  # an IPC error must not end the thread that sends every response
                     logger.exception("checking for cancelled requests failed")
 
-    def _handle(self, event: EngineEvent | EndRequests) -> None:
+    def _handle(self, event: EngineEvent | EndRequests | EndRequest | Refusal) -> None:
         if isinstance(event, StepOutputs):
             self._send_outputs(event)
         elif isinstance(event, RequestFailed):
             self.fail(event.request_id, event.message, self._pb.TritonError.INVALID_ARG)
+        elif isinstance(event, EndRequest):
+            self.fail(event.request_id, event.message, event.code)
+        elif isinstance(event, Refusal):
+            self.send_error(event.sender, event.message, event.code)
         elif isinstance(event, EngineDied | EndRequests):
+            if isinstance(event, EngineDied) and not self._stopping and self._observer is not None:
+                self._observer.on_engine_died()  # the failure is counted before the requests hear of it
             request_ids = self.request_ids()
             self._send_held(request_ids)  # tokens already generated go out before the error
             if isinstance(event, EndRequests):
@@ -374,6 +432,7 @@ class Responder:
         """Encode and send one response per entry; a finished output's response is its request's FINAL."""
         # CPU time of this thread, not wall time: a send also waits for tritonserver's answer, and
         # that wait costs the engine nothing; building and sending responses does (cores, GIL).
+        self.caller.check("sending responses")
         started = time.thread_time()
         ready: list[tuple[Any, RequestState, Any, bool]] = []
         for request_id, output, state in due:
@@ -396,13 +455,17 @@ class Responder:
         for output, state, response, finished in ready:
             try:
                 state.sender.send(response, flags=self._final if finished else 0)
-            except Exception:
-                logger.info("client of %s is gone; aborting it", output.request_id)
-                if not finished:
-                    self._abort(output.request_id)
-                    with self._lock:
-                        self._states.pop(output.request_id, None)
-                    self._holding.discard(output.request_id)
+            except Exception as error:
+                if finished:
+                    logger.warning("the final response of %s could not be sent: %s", output.request_id, error)
+                    continue
+                # The client may be gone, or Triton's IPC failed: either way the request ends here,
+                # with an error FINAL if one still gets through (never a stream left without an end).
+                logger.warning("a response of %s could not be sent (%s): ending it", output.request_id, error)
+                self._abort(output.request_id)
+                self.fail(
+                    output.request_id, f"internal error sending a response: {error}", self._pb.TritonError.INTERNAL
+                )
         if self._adaptive is not None and event is not None:
             self._adaptive.observe(len(ready), time.thread_time() - started, event.step_seconds)
         if self._observer is not None and event is not None:
@@ -438,6 +501,7 @@ class Responder:
                 logger.exception("flushing metrics failed")
 
     def _cancelled(self, request_id: str, state: RequestState, now: float) -> bool:
+        self.caller.check("asking whether a request is cancelled")
         state.last_cancel_check = now
         if not state.sender.is_cancelled():
             return False

@@ -1,34 +1,123 @@
-"""Test-only fault injection: makes the engine's forward pass raise, as a failing engine would.
+"""Test-only fault injection, installed from outside through engine/extensions.py: the engine's
+forward pass raises, the engine process exits, or a response send fails, when a file says so.
 
-Owns the switch (an environment variable naming a file) and the hook; armed only from the
-server's environment, never from a request.
+Owns the switches (files next to the one FAULT_FILE_ENV names) and the patches that act on them;
+armed only from the server's environment (`server_environment`), never from a request. Product
+modules import nothing of this.
+
+Files, checked at every forward pass or send (`<fault>` is the FAULT_FILE_ENV path):
+- `<fault>`: every model's next forward pass raises InjectedEngineFault;
+- `<fault>.<model>`: that Triton model's next forward pass raises;
+- `<fault>.<model>.exit`: that model's engine exits its process at the next forward pass
+  (the engine process, or the stub itself for an engine in the stub);
+- `<fault>.<model>.send`: the next response send of each of that model's requests raises (as
+  Triton's IPC can), once per request.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
+from pathlib import Path
 from typing import Any
+
+from triton_vllm_multistep.engine.extensions import HOOKS_ENV, MODEL_NAME_ENV
 
 logger = logging.getLogger(__name__)
 
-# Once the file this names exists, the model's next forward pass raises.
 FAULT_FILE_ENV = "TRITON_VLLM_MULTISTEP_TEST_ENGINE_FAULT_FILE"
+EXIT_CODE = 17  # an engine process ended by `<fault>.<model>.exit`
 
 
 class InjectedEngineFault(RuntimeError):
     """Raised inside the engine's forward pass by the test-only fault injection."""
 
 
-def install_fault_injection(model: Any) -> None:
-    """Arm the fault on `model` (the driver's torch module, or None) when the environment asks."""
+class InjectedSendFault(RuntimeError):
+    """Raised by a response send by the test-only fault injection."""
+
+
+def server_environment(fault_file: Path) -> dict[str, str]:
+    """The environment a test server needs for these faults (the stubs and engines inherit it)."""
+    return {HOOKS_ENV: __name__, FAULT_FILE_ENV: str(fault_file)}
+
+
+def model_fault_file(fault_file: Path, model: str, kind: str = "") -> Path:
+    """The switch for one model: `kind` "" (forward pass raises), "exit" or "send"."""
+    return fault_file.with_name(f"{fault_file.name}.{model}" + (f".{kind}" if kind else ""))
+
+
+def install() -> None:
+    """engine/extensions.py's entry: patch the engine loop (and, in a stub, the responder)."""
     path = os.environ.get(FAULT_FILE_ENV)
-    if not path or model is None:
-        return
-    logger.warning("test-only engine fault injection is armed: %s=%s", FAULT_FILE_ENV, path)
+    if not path:
+        raise RuntimeError(f"{__name__} is installed but {FAULT_FILE_ENV} is not set")
+    fault_file = Path(path)
+    _patch_engine_loop(fault_file)
+    if "triton_python_backend_utils" in sys.modules:  # a stub (model.py imported it): it sends responses
+        _patch_responder(fault_file)
+
+
+def _model() -> str:
+    return os.environ.get(MODEL_NAME_ENV, "")
+
+
+def _patch_engine_loop(fault_file: Path) -> None:
+    from triton_vllm_multistep.engine import loop
+
+    serve = loop.EngineLoop.serve
+
+    def serve_with_faults(self: Any, *args: Any, **kwargs: Any) -> None:
+        model = loop.driver_model(self.engine)
+        if model is not None:
+            model.register_forward_pre_hook(_forward_fault(fault_file, _model()))
+            logger.warning("test-only engine fault injection is armed for model %r: %s", _model(), fault_file)
+        serve(self, *args, **kwargs)
+
+    loop.EngineLoop.serve = serve_with_faults
+
+
+def _forward_fault(fault_file: Path, model: str):
+    raises = (fault_file, model_fault_file(fault_file, model))
+    exits = model_fault_file(fault_file, model, "exit")
 
     def maybe_fail(*_: object) -> None:
-        if os.path.exists(path):
+        if exits.exists():
+            logger.warning("injected fault: the engine of model %r exits its process", model)
+            os._exit(EXIT_CODE)
+        if any(path.exists() for path in raises):
             raise InjectedEngineFault(f"injected engine fault ({FAULT_FILE_ENV})")
 
-    model.register_forward_pre_hook(maybe_fail)
+    return maybe_fail
+
+
+class _FailingSender:
+    """A response sender whose first send after the model's send switch appears raises (once per
+    request: what follows, e.g. the request's error, goes through)."""
+
+    def __init__(self, sender: Any, switch: Path) -> None:
+        self._sender = sender
+        self._switch = switch
+        self._failed = False
+
+    def send(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._failed and self._switch.exists():
+            self._failed = True
+            raise InjectedSendFault(f"injected send fault ({self._switch})")
+        return self._sender.send(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sender, name)
+
+
+def _patch_responder(fault_file: Path) -> None:
+    from triton_vllm_multistep.stub import responder
+
+    register = responder.Responder.register
+
+    def register_with_faults(self: Any, request_id: str, state: Any) -> bool:
+        state.sender = _FailingSender(state.sender, model_fault_file(fault_file, _model(), "send"))
+        return register(self, request_id, state)
+
+    responder.Responder.register = register_with_faults
