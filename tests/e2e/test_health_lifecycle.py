@@ -34,7 +34,7 @@ from triton_vllm_multistep.testing.faults import FAULT_FILE_ENV, server_environm
 from triton_vllm_multistep.testing.local_server import ServerProcess, start_server
 
 MODEL = "vllm_model"
-STAYING = "vllm_model_stays"  # unload_on_engine_failure: false
+STAYING = "vllm_model_stays"  # unload_on_engine_failure: false, the engine in the stub
 # Long enough to be in flight on a quiet machine too (prompt ~5 tokens, max_model_len 1024).
 LONG = {"temperature": 0, "max_tokens": 1000, "ignore_eos": True}
 SHORT = {"temperature": 0, "max_tokens": 4, "ignore_eos": True}
@@ -92,7 +92,12 @@ class Streams:
 @pytest.fixture(scope="module")
 def lifecycle_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("lifecycle")
-    repository = make_repository(root, {MODEL: {}, STAYING: {"parameters": {"unload_on_engine_failure": "false"}}})
+    # The failing models run their engine both ways: MODEL in a process of its own (the default),
+    # STAYING in the stub.
+    repository = make_repository(
+        root,
+        {MODEL: {}, STAYING: {"parameters": {"unload_on_engine_failure": "false", "engine_process": "false"}}},
+    )
     fault_file = root / "engine-fault"
     handle = start_server(
         repository,

@@ -7,11 +7,14 @@ counter and histogram count checkable as a delta between two scrapes.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import tritonclient.grpc.aio as grpcaio
 from private_servers import metric, scrape, wait_for
 from served_models import LLM_MODEL
 from triton_clients import aio_generate
+
+from triton_vllm_multistep.lifecycle.protocol import HEARTBEAT_METRIC, HEARTBEAT_STALE_SECONDS
 
 STREAMED = [(5, 10), (9, 10), (17, 7)]  # (prompt tokens, max_tokens)
 WHOLE = [(3, 6), (12, 6)]
@@ -103,6 +106,17 @@ def test_metrics_are_exposed_with_triton_vllm_names_kinds_and_labels(server) -> 
     assert metric(text, "vllm_multistep:tokens_per_response_bucket", LLM_MODEL, le="+Inf") is not None
     assert metric(text, "vllm_multistep:engine_alive", LLM_MODEL, version="1") == 1
     assert f'vllm:time_to_first_token_seconds_bucket{{model="{LLM_MODEL}",version="1",le="0.001"}}' in text
+
+
+def test_each_instance_publishes_a_heartbeat_that_keeps_moving(server) -> None:
+    """Set every second by the instance's response thread through tritonserver (what the probe reads)."""
+    first = metric(scrape(server), HEARTBEAT_METRIC, LLM_MODEL, version="1", instance=f"{LLM_MODEL}_0_0")
+    assert first is not None and abs(time.time() - first) <= HEARTBEAT_STALE_SECONDS
+    assert wait_for(
+        lambda: (metric(scrape(server), HEARTBEAT_METRIC, LLM_MODEL, version="1", instance=f"{LLM_MODEL}_0_0") or 0)
+        > first,
+        timeout=30,
+    ), "the heartbeat did not move"
 
 
 def quiescent_snapshot(server) -> dict[str, float]:

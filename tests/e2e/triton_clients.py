@@ -105,13 +105,13 @@ def grpc_generate(
     client = grpcclient.InferenceServerClient(url)
     result = StreamResult(started_at=time.perf_counter())
     client.start_stream(callback=lambda result, error: events.put((time.perf_counter(), result, error)))
+    ended = False
     try:
         requested = None if outputs is None else [grpcclient.InferRequestedOutput(name) for name in outputs]
         client.async_stream_infer(
             model, inputs, outputs=requested, enable_empty_final_response=True, parameters=parameters
         )
         deadline = time.monotonic() + timeout
-        ended = False
         while True:
             wait = settle if ended else max(0.0, deadline - time.monotonic())
             try:
@@ -119,7 +119,10 @@ def grpc_generate(
             except queue.Empty:
                 if ended:
                     break
-                raise TimeoutError(f"no final response from {model} within {timeout} s") from None
+                raise TimeoutError(
+                    f"no final response from {model} within {timeout} s ({len(result.responses)} responses "
+                    "received): the server or the model hangs"
+                ) from None
             if error is not None:
                 result.error = str(error)
                 result.finals += 1
@@ -138,7 +141,9 @@ def grpc_generate(
                 result.error = "cancelled by test"
                 break
     finally:
-        client.stop_stream()
+        # A stream without its FINAL is cancelled, not closed: closing waits for the server to end
+        # the stream, which a hung server never does (the wait would be the test's whole timeout).
+        client.stop_stream(cancel_requests=not ended)
         client.close()
     return result
 

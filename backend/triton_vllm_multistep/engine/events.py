@@ -104,7 +104,6 @@ class EngineRunner(Protocol):
         on_state: Callable[[KvCacheStats], None] | None = None,
         state_interval: float = 0.25,
         time_steps: bool = False,
-        on_death: Callable[[str], None] | None = None,
     ) -> None: ...
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None: ...

@@ -154,7 +154,6 @@ class EngineLoop:
         self._serving = threading.Event()
         self._sink: Callable[[EngineEvent], None] = lambda _event: None
         self._on_state: Callable[[KvCacheStats], None] | None = None
-        self._on_death: Callable[[str], None] | None = None
         self._clock: ForwardClock | None = None
         self._time_steps = False
         self._last_schedule: object = None
@@ -209,13 +208,11 @@ class EngineLoop:
         on_state: Callable[[KvCacheStats], None] | None = None,
         state_interval: float = 0.25,
         time_steps: bool = False,
-        on_death: Callable[[str], None] | None = None,
     ) -> None:
         """Hand the built engine's events to `sink` and start stepping it."""
         engine = self.engine
         self._sink = sink
         self._on_state = on_state
-        self._on_death = on_death
         self._state_interval = state_interval
         # Forward-pass timing (metrics' lag and host-overhead series) only where hooks measure it.
         model = driver_model(engine) if time_steps and module_hooks_time_the_forward_pass(engine) else None
@@ -355,12 +352,6 @@ class EngineLoop:
             logger.error("%s\n%s", self.error, traceback.format_exc())
             lost = sorted(self._in_engine) + [a.request_id for a in self._admissions]
             self._admissions.clear()
-            # The death callback first (metrics count the failure), then the requests' errors.
-            if self._on_death is not None:
-                try:
-                    self._on_death(self.error)
-                except Exception:
-                    logger.exception("engine death callback failed")
             self._sink(EngineDied(self.error, lost))
 
     def _hand_over(self, outputs: list[RequestOutput], seconds: float) -> None:

@@ -110,7 +110,6 @@ class EngineProcess:
         self._reader: threading.Thread | None = None
         self._sink: Callable[[EngineEvent], None] = lambda _event: None
         self._on_state: Callable[[KvCacheStats], None] | None = None
-        self._on_death: Callable[[str], None] | None = None
         self._in_flight: set[str] = set()
         self._in_flight_lock = threading.Lock()
         self._serving = False
@@ -194,9 +193,8 @@ class EngineProcess:
         on_state: Callable[[KvCacheStats], None] | None = None,
         state_interval: float = 0.25,
         time_steps: bool = False,
-        on_death: Callable[[str], None] | None = None,
     ) -> None:
-        self._sink, self._on_state, self._on_death = sink, on_state, on_death
+        self._sink, self._on_state = sink, on_state
         self._serving = True
         self._reader = threading.Thread(target=self._read_events, name="vllm-engine-process-events", daemon=True)
         self._reader.start()
@@ -296,12 +294,6 @@ class EngineProcess:
         with self._in_flight_lock:
             lost = sorted(self._in_flight)
             self._in_flight.clear()
-        # The death callback first (metrics count the failure), then the requests' errors.
-        if self._on_death is not None:
-            try:
-                self._on_death(message)
-            except Exception:
-                logger.exception("engine death callback failed")
         self._sink(EngineDied(message, sorted(set(lost) | set(event.request_ids if event else []))))
 
 

@@ -457,7 +457,8 @@ class Responder:
                 state.sender.send(response, flags=self._final if finished else 0)
             except Exception as error:
                 if finished:
-                    logger.warning("the final response of %s could not be sent: %s", output.request_id, error)
+                    # The stub closed the sender before its IPC: nothing more can go to this request.
+                    logger.warning("the final response of %s was reported failed: %s", output.request_id, error)
                     continue
                 # The client may be gone, or Triton's IPC failed: either way the request ends here,
                 # with an error FINAL if one still gets through (never a stream left without an end).

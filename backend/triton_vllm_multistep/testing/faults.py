@@ -93,19 +93,23 @@ def _forward_fault(fault_file: Path, model: str):
 
 
 class _FailingSender:
-    """A response sender whose first send after the model's send switch appears raises (once per
-    request: what follows, e.g. the request's error, goes through)."""
+    """A response sender whose first send after the model's send switch appears raises, once per
+    request, as Triton 2.51's can: a response that is not FINAL is lost (as when the IPC fails), a
+    FINAL is delivered and then reported failed (the stub closes its sender before the IPC, and the
+    server reports its own errors after handling the FINAL: response_sender.cc)."""
 
     def __init__(self, sender: Any, switch: Path) -> None:
         self._sender = sender
         self._switch = switch
         self._failed = False
 
-    def send(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._failed and self._switch.exists():
-            self._failed = True
-            raise InjectedSendFault(f"injected send fault ({self._switch})")
-        return self._sender.send(*args, **kwargs)
+    def send(self, response: Any = None, flags: int = 0) -> Any:
+        if self._failed or not self._switch.exists():
+            return self._sender.send(response, flags=flags)
+        self._failed = True
+        if flags:  # TRITONSERVER_RESPONSE_COMPLETE_FINAL, the only flag there is
+            self._sender.send(response, flags=flags)
+        raise InjectedSendFault(f"injected send fault ({self._switch})")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sender, name)
