@@ -226,6 +226,31 @@ def test_engine_failure_fails_the_readiness_and_liveness_probes_within_their_per
     assert pod.probe("readinessProbe").returncode == 0
 
 
+def test_a_stopped_stub_or_server_fails_the_probe_within_one_readiness_period(pod: Pod) -> None:
+    """SIGSTOP: every process stays alive, so Triton's endpoints (and the stub count) say healthy; the
+    instance's heartbeat stops (a stopped stub), or the server stops answering (a stopped server)."""
+    if pod.probe("readinessProbe").returncode != 0:  # an earlier test failed half-way: a fresh stub
+        grpcclient.InferenceServerClient(pod.server.grpc_url).load_model(MODEL)
+    assert wait_for(lambda: pod.probe("readinessProbe").returncode == 0, timeout=60)
+    period = CONTAINER["readinessProbe"]["periodSeconds"]
+    assert HEARTBEAT_STALE_SECONDS + 0.5 < period  # the check below runs within one period of the stop
+    (stub,) = stub_processes(pod.server)
+    tritonserver = psutil.Process(pod.server.process.pid)
+    for stopped, expected in ((stub, ("last reached tritonserver",)), (tritonserver, ("did not answer", "timed out"))):
+        stopped.suspend()
+        try:
+            stopped_at = time.monotonic()
+            if stopped is stub:
+                assert requests.get(f"{pod.server.http_url}/v2/models/{MODEL}/ready", timeout=10).status_code == 200
+            time.sleep(max(0.0, stopped_at + HEARTBEAT_STALE_SECONDS + 0.5 - time.monotonic()))
+            result = pod.probe("readinessProbe")  # started within one period of the stop
+            assert result.returncode != 0, f"the probe passes with {stopped.name()} stopped: {result.stdout}"
+            assert any(text in result.stderr for text in expected), result.stderr
+        finally:
+            stopped.resume()
+        assert wait_for(lambda: pod.probe("readinessProbe").returncode == 0, timeout=60), "healthy again once resumed"
+
+
 def test_a_killed_stub_fails_the_probe_within_its_period(pod: Pod) -> None:
     """Every Triton endpoint stays 200 with the stub dead; the probe counts the stub processes."""
     if not model_ready(pod.server, MODEL):  # the previous test failed half-way
@@ -238,31 +263,6 @@ def test_a_killed_stub_fails_the_probe_within_its_period(pod: Pod) -> None:
         failed = _fails_within(pod, name)
         assert failed is not None, f"{name} still passes with the stub dead"
         assert "0 of 1 stub process(es) running" in failed.stderr, failed.stderr
-
-
-def test_a_stopped_stub_or_server_fails_the_probe_within_one_readiness_period(pod: Pod) -> None:
-    """SIGSTOP: every process stays alive, so Triton's endpoints (and the stub count) say healthy; the
-    instance's heartbeat stops (a stopped stub), or the server stops answering (a stopped server)."""
-    if not model_ready(pod.server, MODEL):  # an earlier test failed half-way
-        grpcclient.InferenceServerClient(pod.server.grpc_url).load_model(MODEL)
-    assert wait_for(lambda: pod.probe("readinessProbe").returncode == 0, timeout=60)
-    period = CONTAINER["readinessProbe"]["periodSeconds"]
-    assert HEARTBEAT_STALE_SECONDS + 1 < period  # the check below runs within one period of the stop
-    (stub,) = stub_processes(pod.server)
-    tritonserver = psutil.Process(pod.server.process.pid)
-    for stopped, expected in ((stub, ("last reached tritonserver",)), (tritonserver, ("did not answer", "timed out"))):
-        stopped.suspend()
-        try:
-            stopped_at = time.monotonic()
-            if stopped is stub:
-                assert requests.get(f"{pod.server.http_url}/v2/models/{MODEL}/ready", timeout=10).status_code == 200
-            time.sleep(max(0.0, stopped_at + HEARTBEAT_STALE_SECONDS + 1 - time.monotonic()))
-            result = pod.probe("readinessProbe")  # started within one period of the stop
-            assert result.returncode != 0, f"the probe passes with {stopped.name()} stopped: {result.stdout}"
-            assert any(text in result.stderr for text in expected), result.stderr
-        finally:
-            stopped.resume()
-        assert wait_for(lambda: pod.probe("readinessProbe").returncode == 0, timeout=60), "healthy again once resumed"
 
 
 def test_engine_failure_in_the_default_model_control_mode_fails_the_probe(

@@ -196,7 +196,67 @@ def test_return_flags_are_read_and_windows_keep_the_context() -> None:
             "input 'sampling_parameters' must be a JSON object, got an array",
         ),
         ({"text_input": text("a")}, {"bogus": 1}, MODEL, "parameters.bogus is not a known vLLM sampling"),
-        (sampling({"guided_decoding": {}}), None, MODEL, "sampling_parameters.guided_decoding is not accepted"),
+        (sampling({"guided_decoding": {}}), None, MODEL, "sampling_parameters.guided_decoding needs exactly one of"),
+        (sampling({"guided_decoding": "{nope"}), None, MODEL, "sampling_parameters.guided_decoding is not valid JSON"),
+        (sampling({"guided_decoding": 3}), None, MODEL, "sampling_parameters.guided_decoding must be a JSON object"),
+        (
+            sampling({"guided_decoding": {"regex": "a", "choice": ["b"]}}),
+            None,
+            MODEL,
+            "sampling_parameters.guided_decoding needs exactly one of json, regex, choice, grammar, json_object, "
+            "structural_tag: got regex and choice",
+        ),
+        (
+            sampling({"guided_decoding": {"regexp": "a"}}),
+            None,
+            MODEL,
+            "sampling_parameters.guided_decoding.regexp is not a field of vLLM's GuidedDecodingParams",
+        ),
+        (
+            sampling({"structured_outputs": {"json": "{oops"}}),
+            None,
+            MODEL,
+            "sampling_parameters.structured_outputs.json is not a valid JSON schema",
+        ),
+        (
+            sampling({"guided_decoding": {"json": [1]}}),
+            None,
+            MODEL,
+            "sampling_parameters.guided_decoding.json must be a JSON schema (an object), got an array",
+        ),
+        (sampling({"guided_decoding": {"choice": []}}), None, MODEL, "guided_decoding.choice must be a non-empty list"),
+        (sampling({"guided_decoding": {"regex": ""}}), None, MODEL, "guided_decoding.regex must be a non-empty string"),
+        (sampling({"guided_decoding": {"json_object": 1}}), None, MODEL, "guided_decoding.json_object must be true"),
+        (
+            sampling({"guided_decoding": {"regex": "a", "backend": "magic"}}),
+            None,
+            MODEL,
+            "sampling_parameters.guided_decoding.backend must be one of auto, xgrammar, outlines",
+        ),
+        (
+            sampling({"guided_decoding": {"regex": "a"}, "structured_outputs": {"regex": "b"}}),
+            None,
+            MODEL,
+            "guided_decoding and structured_outputs are two names for one setting",
+        ),
+        (
+            sampling({"guided_decoding": {"regex": "a"}, "n": 2}),
+            None,
+            MODEL,
+            "sampling_parameters.guided_decoding supports one sequence per request",
+        ),
+        (
+            sampling({"logit_bias": {"1": 2}}),
+            None,
+            codec.ModelLimits(VOCAB, 64, logits_processors=False, logits_processors_refusal="not on this GPU engine"),
+            "sampling_parameters.logit_bias is not accepted: not on this GPU engine",
+        ),
+        (
+            sampling({"guided_decoding": {"regex": "a"}}),
+            None,
+            codec.ModelLimits(VOCAB, 64, logits_processors=False, logits_processors_refusal="not on this GPU engine"),
+            "sampling_parameters.guided_decoding is not accepted: not on this GPU engine",
+        ),
         (sampling({"lora_name": "x"}), None, MODEL, "sampling_parameters.lora_name is not accepted"),
         (sampling({"temperature": "hot"}), None, MODEL, "sampling_parameters.temperature: expected a number"),
         (sampling({"temperature": "nan"}), None, MODEL, "sampling_parameters.temperature: must be a finite number"),
@@ -281,3 +341,31 @@ def test_optional_outputs_are_sent_only_when_asked() -> None:
     arrays = codec.encode_response(_output([CompletionOutput(0, "ab", [1, 2], None, None)]), generation, first=True)
     assert set(arrays) == {"text_output", "output_ids"}
     assert arrays["text_output"].tolist() == [b"ab"]
+
+
+@pytest.mark.parametrize("field", ["guided_decoding", "structured_outputs"])
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ({"choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+        ({"regex": "[a-c]{3}", "backend": "xgrammar"}, {"regex": "[a-c]{3}", "backend": "xgrammar"}),
+        ({"json": {"type": "object"}}, {"json": {"type": "object"}}),
+        (
+            {"json": '{"type": "integer"}', "whitespace_pattern": " "},
+            {"json": {"type": "integer"}, "whitespace_pattern": " "},
+        ),
+        ({"grammar": 'root ::= "x"', "backend": "guidance"}, {"grammar": 'root ::= "x"', "backend": "guidance"}),
+        ({"json_object": True}, {"json_object": True}),
+    ],
+)
+def test_structured_output_as_a_json_string_or_an_object_becomes_vllms_guided_decoding(
+    field: str, given: dict[str, Any], expected: dict[str, Any]
+) -> None:
+    """Triton's vLLM backend sends a JSON string (r25.01-r25.10 guided_decoding, r25.11+ structured_outputs)."""
+    for value in (given, json.dumps(given)):
+        params = codec.decode_request(sampling({field: value}), None, MODEL, encode=lambda t: [1], decode=str)
+        guided = params.sampling_params.guided_decoding
+        assert guided is not None
+        assert {key: getattr(guided, key) for key in expected} == expected
+        others = set(codec.CONSTRAINT_KINDS) - set(expected)
+        assert all(getattr(guided, key) is None for key in others)

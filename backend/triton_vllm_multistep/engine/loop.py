@@ -22,6 +22,7 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.worker.model_runner_base import InputProcessingError
 
+from triton_vllm_multistep.engine.constraints import ConstraintBuilder
 from triton_vllm_multistep.engine.cpu_attention import attention_kernels
 from triton_vllm_multistep.engine.events import (
     EngineDied,
@@ -51,14 +52,20 @@ def driver_model(engine: LLMEngine):
 
 def engine_facts(engine: LLMEngine) -> EngineFacts:
     """What the stub needs to know of a built engine (read where the engine lives)."""
+    from triton_vllm_multistep.engine.cpu_multistep import CPUMultiStepEngine
+
     model = engine.model_config
+    steps = int(engine.scheduler_config.num_scheduler_steps)
     return EngineFacts(
         model=str(model.model),
         vocab_size=int(model.get_vocab_size()),
         max_model_len=int(model.max_model_len),
         multimodal=bool(getattr(model, "is_multimodal_model", False)),
-        num_scheduler_steps=int(engine.scheduler_config.num_scheduler_steps),
+        num_scheduler_steps=steps,
         attention_kernels=attention_kernels(),
+        # vLLM's GPU multi-step runner samples step k+1 before step k's token reaches the CPU, where
+        # logits processors run (and asserts there are none); ours pythonizes every step first.
+        logits_processors=steps == 1 or isinstance(engine, CPUMultiStepEngine),
     )
 
 
@@ -166,6 +173,13 @@ class EngineLoop:
         self._in_engine: set[str] = set()
         # best_of requests: request id → all candidate sequences (vLLM returns only the best n).
         self._candidates: dict[str, list] = {}
+        # Structured output: requests whose constraint is being built (id → prompt ids), those
+        # aborted meanwhile, and the constraints that failed in the last step (engine/constraints.py).
+        self._builder: ConstraintBuilder | None = None
+        self._building: dict[str, list[int]] = {}
+        self._abandoned: set[str] = set()
+        self._building_lock = threading.Lock()
+        self._constraint_failures: list[tuple[str, str]] = []
         # Set once the engine thread has settled an idle engine (window closed, workers released).
         self.settled = threading.Event()
         self._settled = False
@@ -221,8 +235,35 @@ class EngineLoop:
         self._serving.set()
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if params.guided_decoding is not None:
+            # Built off this thread and the engine's (engine/constraints.py), then admitted.
+            with self._building_lock:
+                if self._builder is None:
+                    self._builder = ConstraintBuilder(self.engine, self._constraint_failures)
+                self._building[request_id] = prompt_token_ids
+            self._builder.submit(request_id, params, self._constraint_built, self._constraint_refused)
+            return
         self._admissions.append(_Admission(request_id, prompt_token_ids, params))
         self._wake.set()
+
+    def _constraint_built(self, request_id: str, params: SamplingParams) -> None:
+        """Constraint builder thread: admit the request (unless it was aborted meanwhile)."""
+        with self._building_lock:
+            prompt = self._building.pop(request_id, None)
+            if request_id in self._abandoned or prompt is None:
+                self._abandoned.discard(request_id)
+                return
+        self._admissions.append(_Admission(request_id, prompt, params))
+        self._wake.set()
+
+    def _constraint_refused(self, request_id: str, message: str) -> None:
+        """Constraint builder thread: the backend could not build it; the request fails alone."""
+        with self._building_lock:
+            self._building.pop(request_id, None)
+            if request_id in self._abandoned:
+                self._abandoned.discard(request_id)
+                return
+        self._sink(RequestFailed(request_id, message))
 
     def abort(self, request_id: str) -> None:
         self._aborts.append(request_id)
@@ -249,6 +290,9 @@ class EngineLoop:
     def _admit_and_abort(self) -> None:
         while self._aborts:
             request_id = self._aborts.popleft()
+            with self._building_lock:
+                if request_id in self._building:
+                    self._abandoned.add(request_id)  # dropped once its constraint is built
             if request_id in self._in_engine:
                 self.engine.abort_request(request_id)
                 self._in_engine.discard(request_id)
@@ -342,11 +386,15 @@ class EngineLoop:
                 except InputProcessingError as error:
                     self._fail_unprocessable(error)
                     continue
+                if self._constraint_failures:
+                    outputs = self._fail_constraints(outputs)
                 self._hand_over(outputs, time.perf_counter() - started)
                 self._report_state()
             # Stopping (unload): release remote workers from their execution loop, or the
             # executor's shutdown cannot reach them.
             engine.model_executor.stop_remote_worker_execution_loop()
+            if self._builder is not None:
+                self._builder.stop()
         except BaseException as error:
             self.error = f"vLLM engine failed: {type(error).__name__}: {error}"
             logger.error("%s\n%s", self.error, traceback.format_exc())
@@ -376,6 +424,19 @@ class EngineLoop:
             self._hand_over(outputs, time.perf_counter() - started)
         self._settled = True
         self.settled.set()
+
+    def _fail_constraints(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Requests whose constraint failed during the step (engine/constraints.ConstraintGuard):
+        abort each, drop its output of the step (sampled without the constraint), fail it alone."""
+        failed = dict(self._constraint_failures)
+        self._constraint_failures.clear()
+        for request_id, message in failed.items():
+            logger.warning("structured output of request %s failed: %s", request_id, message)
+            if request_id in self._in_engine:
+                self.engine.abort_request(request_id)
+                self._in_engine.discard(request_id)
+            self._sink(RequestFailed(request_id, message))
+        return [output for output in outputs if output.request_id not in failed]
 
     def _fail_unprocessable(self, error: InputProcessingError) -> None:
         """vLLM could not prepare one request's input: fail that request alone and keep stepping.

@@ -128,13 +128,24 @@ FIELD_CONVERTERS: dict[str, Callable[[str, Any], Any]] = {
 # Fields that exist in vLLM but that a request must not set here, and why.
 REFUSED_FIELDS = {
     "logits_processors": "logits processors are not supported with multi-step scheduling",
-    "guided_decoding": "guided decoding is not supported with multi-step scheduling",
     "lora_name": "LoRA adapters are not supported with multi-step scheduling",
     "output_kind": "set by the backend from the 'stream' input",
     "detokenize": "the backend always detokenizes (text_output)",
     "output_text_buffer_length": "internal to vLLM",
     "extra_args": "not accepted from requests",
 }
+# Structured output, as Triton's vLLM backend takes it in sampling_parameters (r25.01-r25.10:
+# "guided_decoding", r25.11+: "structured_outputs"): vLLM's GuidedDecodingParams fields, as a JSON
+# string (their form) or an object. One kind of constraint per request; the options go with it.
+STRUCTURED_OUTPUT_FIELDS = ("guided_decoding", "structured_outputs")
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+CONSTRAINT_OPTIONS = ("backend", "whitespace_pattern")
+# vLLM 0.8.5's guided-decoding backends (all four run on CPU; model.json guided_decoding_backend
+# picks the default, "auto" in vLLM), each optionally followed by ":options".
+GUIDED_BACKENDS = ("auto", "xgrammar", "outlines", "lm-format-enforcer", "guidance")
+# Request fields the engine serves through logits processors, which see a request's earlier
+# tokens only where every step is pythonized before the next is sampled (ModelLimits.logits_processors).
+LOGITS_PROCESSOR_FIELDS = (*STRUCTURED_OUTPUT_FIELDS, "logit_bias", "allowed_token_ids", "bad_words")
 # Keys Triton or its clients put in request parameters that are not sampling fields.
 TRITON_RESERVED_PARAMETERS = frozenset(
     {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers", "stream"}
@@ -189,6 +200,10 @@ class ModelLimits:
     limits: Limits = field(default_factory=Limits)
     model_name: str = "this model"  # the engine's model, for errors about what it cannot take
     multimodal: bool = False
+    # Whether the engine applies logits processors (structured output, logit_bias, ...) exactly at
+    # every step (EngineFacts.logits_processors); without it such requests are refused.
+    logits_processors: bool = True
+    logits_processors_refusal: str = ""  # why not, for the error
 
 
 def _payload_bytes(array: np.ndarray) -> int:
@@ -257,6 +272,58 @@ def parse_sampling_fields(text: str | None, source: str) -> dict[str, Any]:
     return data
 
 
+def structured_output(name: str, value: Any) -> Any:
+    """`guided_decoding` / `structured_outputs` (a JSON string or an object of GuidedDecodingParams
+    fields) → vLLM's GuidedDecodingParams; every error names `name` and the problem. What only the
+    backend can judge (a regex, schema or grammar it cannot compile) fails when the engine builds it."""
+    from vllm.sampling_params import GuidedDecodingParams
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise RequestError(f"{name} is not valid JSON: {error.msg} at position {error.pos}") from None
+    if not isinstance(value, dict):
+        raise RequestError(f"{name} must be a JSON object (or a string holding one), got {_json_type(value)}")
+    known = (*CONSTRAINT_KINDS, *CONSTRAINT_OPTIONS)
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise RequestError(f"{name}.{unknown[0]} is not a field of vLLM's GuidedDecodingParams ({', '.join(known)})")
+    kinds = [kind for kind in CONSTRAINT_KINDS if value.get(kind) not in (None, False)]
+    if len(kinds) != 1:
+        found = f"got {' and '.join(kinds)}" if kinds else "got none"
+        raise RequestError(f"{name} needs exactly one of {', '.join(CONSTRAINT_KINDS)}: {found}")
+    (kind,) = kinds
+    constraint = value[kind]
+    where = f"{name}.{kind}"
+    if kind == "json":
+        if isinstance(constraint, str):
+            try:
+                constraint = json.loads(constraint)
+            except json.JSONDecodeError as error:
+                raise RequestError(f"{where} is not a valid JSON schema: {error.msg} at position {error.pos}") from None
+        if not isinstance(constraint, dict):
+            raise RequestError(f"{where} must be a JSON schema (an object), got {_json_type(constraint)}")
+    elif kind == "choice":
+        if not isinstance(constraint, list) or not constraint or not all(isinstance(c, str) and c for c in constraint):
+            raise RequestError(f"{where} must be a non-empty list of non-empty strings")
+    elif kind == "json_object":
+        if constraint is not True:
+            raise RequestError(f"{where} must be true")
+    elif not isinstance(constraint, str) or not constraint:
+        raise RequestError(f"{where} must be a non-empty string")
+    options = {option: value[option] for option in CONSTRAINT_OPTIONS if value.get(option) is not None}
+    for option, setting in options.items():
+        if not isinstance(setting, str):
+            raise RequestError(f"{name}.{option} must be a string, got {_json_type(setting)}")
+    backend = options.get("backend")
+    if backend is not None and backend.split(":")[0] not in GUIDED_BACKENDS:
+        raise RequestError(
+            f"{name}.backend must be one of {', '.join(GUIDED_BACKENDS)} (vLLM 0.8.5's), got {backend!r}"
+        )
+    return GuidedDecodingParams(**{kind: constraint}, **options)
+
+
 def sampling_params(
     fields: Mapping[str, Any], stream: bool, limits: ModelLimits, source: str = SAMPLING_TENSOR
 ) -> SamplingParams:
@@ -264,7 +331,18 @@ def sampling_params(
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     kwargs: dict[str, Any] = {}
+    given = [name for name in STRUCTURED_OUTPUT_FIELDS if fields.get(name) is not None]
+    if len(given) > 1:
+        raise RequestError(f"{source}: {' and '.join(given)} are two names for one setting; give one")
+    if not limits.logits_processors:
+        refused = [name for name in LOGITS_PROCESSOR_FIELDS if fields.get(name) not in (None, [], {})]
+        if refused:
+            raise RequestError(f"{source}.{refused[0]} is not accepted: {limits.logits_processors_refusal}")
     for name, value in fields.items():
+        if name in STRUCTURED_OUTPUT_FIELDS:
+            if value is not None:
+                kwargs["guided_decoding"] = structured_output(f"{source}.{name}", value)
+            continue
         if name in REFUSED_FIELDS:
             raise RequestError(f"{source}.{name} is not accepted: {REFUSED_FIELDS[name]}")
         converter = FIELD_CONVERTERS.get(name)
@@ -273,6 +351,9 @@ def sampling_params(
         if value is not None:
             kwargs[name] = converter(f"{source}.{name}", value)
     _check_ranges(kwargs, limits, source)
+    if "guided_decoding" in kwargs and max(kwargs.get("n", 1), kwargs.get("best_of") or 1) > 1:
+        # One constraint per sequence is what is built and checked exact here.
+        raise RequestError(f"{source}.{given[0]} supports one sequence per request (n=1, no best_of)")
     kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     try:
         params = SamplingParams(**kwargs)
