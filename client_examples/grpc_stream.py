@@ -2,6 +2,8 @@
 
 python client_examples/grpc_stream.py "The model streams" --max-tokens 32
 python client_examples/grpc_stream.py "What is the capital of France?" --model ensemble --chat
+python client_examples/grpc_stream.py "Is Paris in France?" --model ensemble --chat \
+    --guided-decoding '{"choice": ["yes", "no"]}'
 """
 
 from __future__ import annotations
@@ -39,12 +41,20 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--chat", action="store_true", help="send the prompt as a chat message (ensemble only)")
+    parser.add_argument(
+        "--guided-decoding",
+        metavar="JSON",
+        help='structured output, vLLM\'s GuidedDecodingParams as JSON: {"choice": [...]}, {"regex": "..."}, '
+        '{"json": {schema}}, {"grammar": "..."} or {"json_object": true}',
+    )
     args = parser.parse_args()
 
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(args.url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    if args.guided_decoding:
+        sampling["guided_decoding"] = args.guided_decoding  # a JSON string, as Triton's vLLM backend takes it
     inputs = build_inputs(args.prompt, sampling, chat=args.chat)
     client.async_stream_infer(args.model, inputs, enable_empty_final_response=True)
     status = 0

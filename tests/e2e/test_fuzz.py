@@ -115,7 +115,7 @@ def test_requests_beyond_the_configured_limits_are_refused(limited_server, kwarg
         ({"trust_remote_code": True}, "trust_remote_code is not a known vLLM sampling parameter"),
         ({"tokenizer": "/tmp/evil-tokenizer"}, "tokenizer is not a known vLLM sampling parameter"),
         ({"model": "/tmp/other-model"}, "model is not a known vLLM sampling parameter"),
-        ({"guided_decoding": {"json": "/etc/passwd"}}, "guided decoding is not supported"),
+        ({"guided_decoding": {"json": "/etc/passwd"}}, "guided_decoding.json is not a valid JSON schema"),
         ({"extra_args": {"x": 1}}, "not accepted from requests"),
         ({"output_kind": 2}, "set by the backend"),
     ],

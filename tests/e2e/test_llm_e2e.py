@@ -158,7 +158,7 @@ BAD_INPUTS = [
     ({"prompt": "hi", "sampling": {"top_p": 1.5}}, "top_p"),
     ({"prompt": "hi", "sampling": {"n": 1000}}, "n must be between 1 and"),
     ({"prompt": "hi", "sampling": {"stop_token_ids": [10**6]}}, "stop_token_ids: token id 1000000 is outside"),
-    ({"prompt": "hi", "sampling": {"guided_decoding": {"regex": "a+"}}}, "guided decoding is not supported"),
+    ({"prompt": "hi", "sampling": {"guided_decoding": {"regex": "a+", "json_object": True}}}, "needs exactly one of"),
     ({"prompt": "hi", "sampling": {"logits_processors": ["x"]}}, "logits processors are not supported"),
     ({"prompt": "hi", "sampling": {"lora_name": "x"}}, "LoRA adapters are not supported"),
     ({"prompt": ""}, "'text_input' is empty"),

@@ -154,6 +154,103 @@ def test_sampling_settings_give_the_same_tokens_at_steps_1_and_8(
             assert not any(stop in eight.text() for stop in sampling["stop"])
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer"}},
+    "required": ["city", "population"],
+}
+STRUCTURED = {
+    "choice": ("Is Paris in France? Answer yes or no.", {"choice": ["yes", "no"]}),
+    "regex": ("Write a date.", {"regex": "[0-9]{4}-[0-9]{2}-[0-9]{2}"}),
+    "json schema": ("Describe Paris as JSON.", {"json": SCHEMA}),
+    "json_object": ("Give me a JSON object about cats.", {"json_object": True}),
+    "grammar": ("Say a colour.", {"grammar": 'root ::= "red" | "green" | "blue"'}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(STRUCTURED))
+def test_structured_output_at_steps_8_equals_steps_1_streamed_and_whole_and_obeys_it(
+    real_server: ServerProcess, real_model_path: Path, kind: str
+) -> None:
+    """Their backend's form: sampling_parameters.guided_decoding as a JSON string."""
+    import re
+
+    import jsonschema
+
+    question, constraint = STRUCTURED[kind]
+    tokenizer = AutoTokenizer.from_pretrained(real_model_path)
+    ids = chat_ids(tokenizer, question)
+    sampling = {"temperature": 0, "max_tokens": 128, "guided_decoding": json.dumps(constraint)}
+    streamed = served(real_server, ids, sampling, stream=True, return_finish_reason=True)
+    whole = served(real_server, ids, sampling)
+    one = served(real_server, ids, sampling, model=STEPS1, stream=True)
+    assert streamed.token_ids() == whole.token_ids() == one.token_ids(), kind
+    assert all(len(r["output_ids"]) == 1 for r in streamed.data_responses)  # one response per step
+    text = streamed.text()
+    if kind == "choice":
+        assert text in constraint["choice"]
+    elif kind == "regex":
+        assert re.fullmatch(constraint["regex"], text), text
+    elif kind == "grammar":
+        assert text in ("red", "green", "blue"), text
+    elif streamed.data_responses[-1]["finish_reason"][0] == b"length":
+        assert text.lstrip().startswith("{"), text  # cut by max_tokens: a JSON object begun
+    elif kind == "json schema":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    else:
+        assert isinstance(json.loads(text), dict), text
+    if kind in ("choice", "regex", "grammar"):
+        unconstrained = served(real_server, ids, {"temperature": 0, "max_tokens": 64}, stream=True)
+        assert unconstrained.token_ids() != streamed.token_ids()  # the constraint changed the answer
+
+
+def test_their_structured_outputs_test_logic_passes_against_this_backend(
+    real_server: ServerProcess, real_model_path: Path
+) -> None:
+    """Triton's vLLM backend's accuracy_test.test_structured_outputs: structured_outputs (r25.11+ name) as a
+    JSON string in sampling_parameters, text prompts, not streamed (the prompt comes back first), the
+    answers compared with vLLM without Triton: here the single-step model, and one of the choices."""
+    choices = ["Positive", "Negative"]
+    prompts = ["Classify this sentiment: vLLM is wonderful!", "Classify this sentiment: the build failed again."]
+    sampling = {"temperature": 0, "top_p": 1, "structured_outputs": json.dumps({"choice": choices})}
+    for prompt in prompts:
+        ours = grpc_generate(real_server.grpc_url, LLM_MODEL, prompt=prompt, sampling=sampling)
+        baseline = grpc_generate(real_server.grpc_url, STEPS1, prompt=prompt, sampling=sampling)
+        assert ours.error is None and ours.finals == 1, ours.error
+        assert ours.text() == baseline.text()
+        assert ours.text().removeprefix(prompt) in choices, ours.text()
+
+
+def test_the_readme_structured_output_example_through_the_ensemble(real_server: ServerProcess) -> None:
+    """client_examples/grpc_stream.py --chat --guided-decoding, as the README shows it."""
+    import subprocess
+    import sys
+
+    example = Path(__file__).resolve().parents[2] / "client_examples" / "grpc_stream.py"
+    command = [sys.executable, str(example), "Is Paris in France?", "--model", "ensemble", "--chat"]
+    command += ["--url", real_server.grpc_url, "--guided-decoding", json.dumps({"choice": ["yes", "no"]})]
+    answer = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert answer.returncode == 0, answer.stderr
+    assert answer.stdout.strip() in ("yes", "no"), answer.stdout
+
+
+def test_structured_output_errors_name_the_field_and_fail_that_request_alone(real_server: ServerProcess) -> None:
+    bad = {
+        "not JSON": ("{choice", "guided_decoding is not valid JSON"),
+        "two kinds": ({"choice": ["a"], "regex": "b"}, "needs exactly one of"),
+        "unknown key": ({"choise": ["a"]}, "guided_decoding.choise is not a field"),
+        "bad schema": ({"json": "{not a schema"}, "guided_decoding.json is not a valid JSON schema"),
+        "backend not there": ({"regex": "a", "backend": "nonesuch"}, "guided_decoding.backend must be one of"),
+        "grammar it cannot read": ({"grammar": "root ::= (", "backend": "xgrammar"}, "guided_decoding "),
+    }
+    for name, (value, message) in bad.items():
+        sampling = {"max_tokens": 8, "guided_decoding": value if isinstance(value, str) else json.dumps(value)}
+        result = grpc_generate(real_server.grpc_url, LLM_MODEL, prompt="hi", sampling=sampling, stream=True)
+        assert result.finals == 1 and result.error is not None and message in result.error, (name, result.error)
+    after = grpc_generate(real_server.grpc_url, LLM_MODEL, prompt="hi", sampling={"max_tokens": 4}, stream=True)
+    assert after.error is None and after.finals == 1
+
+
 def test_a_model_that_cannot_be_provided_is_a_load_error_saying_what_to_run(tmp_path: Path) -> None:
     """No cached conversion and no GGUF file: the model does not load, and Triton's load error
     (log and model status) says why and what to run, listing no frames of the code that found it."""
