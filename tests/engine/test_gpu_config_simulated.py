@@ -220,3 +220,50 @@ def test_engine_cpus_leaves_the_users_thread_count_alone_on_cuda_only() -> None:
     with pytest.raises(config.ConfigError, match="but OMP_NUM_THREADS=64"):
         instance.place_engine(cpus, one_instance, user_threads, "llm")
     assert set(cpu_placement.thread_cpus(os.getpid()).values()) == {cpus}
+
+
+def test_on_cuda_multi_step_requests_needing_logits_processors_are_refused_per_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's multi-step runner asserts there are no logits processors when it pythonizes (an engine
+    failure for one request with structured output, logit_bias, allowed_token_ids or bad_words):
+    the shipped GPU engine says it cannot run them, so the stub refuses each such request instead."""
+    import inspect
+
+    from vllm.worker.multi_step_model_runner import _pythonize_sampler_output
+
+    from triton_vllm_multistep.engine.cpu_multistep import CPUMultiStepEngine
+    from triton_vllm_multistep.engine.loop import engine_facts
+    from triton_vllm_multistep.stub import codec
+    from triton_vllm_multistep.stub.instance import LOGITS_PROCESSORS_REFUSAL
+
+    assert "Logits Processors are not supported in multi-step decoding" in inspect.getsource(_pythonize_sampler_output)
+    args, _ = _engine_args(REPOSITORY / "vllm_model" / "config.pbtxt")
+    with simulated_cuda():
+        gpu_config = _build_config(monkeypatch, _small(args))
+    gpu_engine = object.__new__(WindowClosingEngine)
+    gpu_engine.model_config, gpu_engine.scheduler_config = gpu_config.model_config, gpu_config.scheduler_config
+    facts = engine_facts(gpu_engine)
+    assert facts.num_scheduler_steps == 8 and not facts.logits_processors
+    limits = codec.ModelLimits(
+        facts.vocab_size,
+        facts.max_model_len,
+        logits_processors=facts.logits_processors,
+        logits_processors_refusal=LOGITS_PROCESSORS_REFUSAL.format(steps=facts.num_scheduler_steps),
+    )
+    for field, value in (
+        ("guided_decoding", '{"choice": ["a"]}'),
+        ("structured_outputs", {"regex": "a"}),
+        ("logit_bias", {"1": 1.0}),
+        ("allowed_token_ids", [1]),
+        ("bad_words", ["x"]),
+    ):
+        with pytest.raises(
+            codec.RequestError, match=f"sampling_parameters.{field} is not accepted: with num_scheduler"
+        ):
+            codec.sampling_params({field: value}, stream=True, limits=limits)
+    codec.sampling_params({"temperature": 0.5}, stream=True, limits=limits)  # the rest is served
+    cpu_config = factory.cpu_multistep_config(_small(args, dtype="float32"), stream_mode="step")
+    cpu_engine = object.__new__(CPUMultiStepEngine)
+    cpu_engine.model_config, cpu_engine.scheduler_config = cpu_config.model_config, cpu_config.scheduler_config
+    assert engine_facts(cpu_engine).logits_processors  # the CPU runner pythonizes every step first
