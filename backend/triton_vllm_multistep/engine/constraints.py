@@ -1,17 +1,20 @@
 """Structured output (vLLM's guided decoding) for the engine loop: each request's constraint is built
-off the engine thread, and a constraint that fails at any step fails its request alone.
+outside the engine's step, and a constraint that fails at any step fails its request alone.
 
 Owns building a request's guided-decoding logits processor with vLLM 0.8.5's own backends
 (xgrammar, outlines, lm-format-enforcer, guidance: vLLM's `get_local_guided_decoding_logits_processor`,
 with vLLM's compiled-grammar caches) on a thread of its own with a tokenizer of its own, and the
 guard each processor runs behind; must not drive the engine (engine/loop.py admits what is built).
 
-Why off the engine thread: building a constraint can take over a second (measured: xgrammar's first
-JSON schema on the demo model 1.2 s, its tokenizer tables 0.3 s), every other stream's next step
-would wait for it. Why a guard: vLLM calls the processors inside the model's forward step, where
-an exception (a backend that compiles lazily, a grammar it cannot follow) would end the engine and
-every request with it; the guard records it and leaves the logits alone, and the engine loop then
-aborts that request and drops its output of the step, so nothing unconstrained reaches a client.
+Why not in the engine's step: building a constraint can take over a second (measured: xgrammar's
+first JSON schema on the demo model 1.2 s, its tokenizer tables 0.3 s). On a thread of its own it
+still holds the GIL while the backend compiles (a running stream's longest step gap while a
+12-field schema was built: 0.78 s with xgrammar, benchmarks/constraint_build_stall.py), so this
+bounds the stall to the compile itself; a process of its own would remove it. Why a guard: vLLM
+calls the processors inside the model's forward step, where an exception (a backend that compiles
+lazily, a grammar it cannot follow) would end the engine and every request with it; the guard
+records it and leaves the logits alone, and the engine loop then aborts that request and drops
+its output of the step, so nothing unconstrained reaches a client.
 """
 
 from __future__ import annotations
