@@ -259,14 +259,19 @@ def _json_type(value: Any) -> str:
     return "an array" if isinstance(value, list) else type(value).__name__
 
 
+def _json_loads(text: str, error_prefix: str) -> Any:
+    """json.loads, a RequestError `<error_prefix>: <what is wrong> at position <n>` if it is not JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise RequestError(f"{error_prefix}: {error.msg} at position {error.pos}") from None
+
+
 def parse_sampling_fields(text: str | None, source: str) -> dict[str, Any]:
     """A JSON object of sampling fields → raw dict (validated for shape only)."""
     if text is None or not text.strip():
         return {}
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise RequestError(f"{source} is not valid JSON: {error.msg} at position {error.pos}") from None
+    data = _json_loads(text, f"{source} is not valid JSON")
     if not isinstance(data, dict):
         raise RequestError(f"{source} must be a JSON object, got {_json_type(data)}")
     return data
@@ -279,10 +284,7 @@ def structured_output(name: str, value: Any) -> Any:
     from vllm.sampling_params import GuidedDecodingParams
 
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise RequestError(f"{name} is not valid JSON: {error.msg} at position {error.pos}") from None
+        value = _json_loads(value, f"{name} is not valid JSON")
     if not isinstance(value, dict):
         raise RequestError(f"{name} must be a JSON object (or a string holding one), got {_json_type(value)}")
     known = (*CONSTRAINT_KINDS, *CONSTRAINT_OPTIONS)
@@ -298,10 +300,7 @@ def structured_output(name: str, value: Any) -> Any:
     where = f"{name}.{kind}"
     if kind == "json":
         if isinstance(constraint, str):
-            try:
-                constraint = json.loads(constraint)
-            except json.JSONDecodeError as error:
-                raise RequestError(f"{where} is not a valid JSON schema: {error.msg} at position {error.pos}") from None
+            constraint = _json_loads(constraint, f"{where} is not a valid JSON schema")
         if not isinstance(constraint, dict):
             raise RequestError(f"{where} must be a JSON schema (an object), got {_json_type(constraint)}")
     elif kind == "choice":
