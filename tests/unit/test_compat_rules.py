@@ -372,3 +372,26 @@ def test_the_responder_flushes_metrics_before_it_sends_a_final() -> None:
     log.clear()
     responder._send_outputs(StepOutputs([output("a", True), output("b", True)], 0.01))
     assert log == [("record", True), ("record", True), ("flush", None), ("send", 1), ("send", 1)]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_closing_takes_this_instances_share_out_and_frees_its_series_only_when_no_other_stub_holds_them(
+    shared: bool,
+) -> None:
+    """tritonserver 2.51 counts references to a series per stub: deleting one another stub holds frees
+    it under that stub (its next update writes into freed memory), so a shared series is never freed."""
+    import gc
+    import weakref
+
+    pb = FakePbUtils()
+    other, closing = new_metrics(pb, instances=2), new_metrics(pb, instances=2)
+    for metrics, running in ((other, 3), (closing, 2)):
+        metrics.update_engine_state(KvCacheStats(free_blocks=10, total_blocks=16, running=running, waiting=0))
+        metrics.flush()
+    assert pb.value("vllm:num_requests_running") == 5
+    closing.close(shared=shared)
+    assert pb.value("vllm:num_requests_running") == 3  # the other instance's share stays
+    alive = weakref.ref(closing)
+    del closing, metrics
+    gc.collect()
+    assert (alive() is not None) == shared  # never freed, so its metrics never send a delete

@@ -180,6 +180,7 @@ class ModelServer:
         # The one thread that calls into Triton: this one until the response thread starts, then it.
         self.caller = triton_io.TritonCaller()
         self.model_name = args.get("model_name") or model_config["name"]
+        self._backend_name = model_config.get("backend") or "vllm_multistep"
         # Names the model in this stub and the engine process it starts (tools, extension modules).
         os.environ[extensions.MODEL_NAME_ENV] = self.model_name
         extensions.install_from_environment()  # test-only fault hooks, when the environment names them
@@ -438,17 +439,35 @@ class ModelServer:
                 "vllm_multistep: engine of model %s failed (%s); model unload requested", self.model_name, message
             )
 
+    def _series_shared(self) -> bool:
+        """Whether another stub may hold this instance's metric series now or while it closes: the
+        model has other instances, or another stub of this model runs (a reload loads the new copy
+        before it unloads the old). See BackendMetrics.close."""
+        if self.metrics is not None and self.metrics.instances > 1:
+            return True
+        from triton_vllm_multistep.lifecycle import procfs, server_drain
+
+        for pid in server_drain.backend_stub_pids(os.getppid(), self._backend_name):
+            argv = procfs.cmdline(pid)
+            if pid != os.getpid() and len(argv) > 1 and Path(argv[1]).parts[-3:-2] == (self.model_name,):
+                return True
+        return False
+
     def close(self) -> None:
         self.drain.stop()
         # The engine thread ends by releasing remote (tensor-parallel) workers from their execution
         # loop: a worker still in it never reads the executor's shutdown request.
         self.loop.stop()
         self.responder.stop(protocol.UNLOADING_MESSAGE)  # hands the calls into Triton back to this thread
-        for closing in (self.heartbeat, self.metrics):
-            if closing is not None:
-                try:
-                    closing.close()
-                except Exception:
-                    logger.exception("closing the metrics failed")
+        if self.heartbeat is not None:  # its instance label is this stub's own: never shared
+            try:
+                self.heartbeat.close()
+            except Exception:
+                logger.exception("closing the heartbeat failed")
+        if self.metrics is not None:
+            try:
+                self.metrics.close(shared=self._series_shared())
+            except Exception:
+                logger.exception("closing the metrics failed")
         self.loop.shutdown()
         logger.info("vllm_multistep: model %s finalized: engine shut down", self.model_name)

@@ -26,6 +26,7 @@ its last response; in between, `maybe_flush()` pushes streaming progress at most
 from __future__ import annotations
 
 import bisect
+import ctypes
 import gc
 import math
 import threading
@@ -128,6 +129,12 @@ class _SummedGauge:
             self._value = value
 
 
+def _never_free(anything: Any) -> None:
+    """Keep `anything`, and all it holds, alive until the process ends, interpreter teardown included
+    (a reference no Python code owns): its pb_utils metrics then never send a delete to Triton."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(anything))
+
+
 def _le(bound: float) -> str:
     if math.isinf(bound):
         return "+Inf"
@@ -147,6 +154,7 @@ class BackendMetrics:
         caller: TritonCaller | None = None,
     ) -> None:
         self._caller = caller or TritonCaller()
+        self.instances = instances
         labels = {"model": model, "version": version}
         kinds = pb_utils.MetricFamily
         # A Metric is only valid while its MetricFamily object lives: keep every family.
@@ -334,14 +342,28 @@ class BackendMetrics:
             self._running.set(0)
             self._waiting.set(0)
 
-    def close(self) -> None:
-        """Push what is pending, then delete this instance's series from the endpoint.
+    def close(self, shared: bool = False) -> None:
+        """Push what is pending, take this instance's share out of the gauges, then delete this
+        instance's series from the endpoint, unless another stub may hold the same series (`shared`).
 
-        Dropping the last reference to a MetricFamily removes it from Triton's registry; without
-        this an unloaded model would keep showing its last gauges.
+        Why not always: in tritonserver 2.51 every stub's MetricFamily is a core object of its own
+        over one Prometheus family, and each counts references to a series by itself
+        (core src/metric_family.cc, MetricFamily::Remove): the first stub to delete a series that
+        another stub of the same model and version also holds (a second instance, or the new copy
+        of a model being reloaded) frees it under the other, whose next update writes into freed
+        memory (seen in CI: the unload of a two-instance model, then "malloc(): unaligned fastbin
+        chunk detected", SIGABRT, tritonserver wedged). A shared series is therefore left on the
+        endpoint at this instance's share of 0 (counters keep their totals) and its objects are
+        never freed in this process, so no delete is ever sent for them.
         """
         self._caller.check("closing the metrics")
         with self._flush_lock:
+            if shared:
+                self._flush()
+                for gauge in self._gauges:
+                    gauge.set(0)
+                _never_free(self)
+                return
             try:
                 self._flush()
                 for gauge in self._gauges:
