@@ -287,8 +287,16 @@ def test_two_instances_add_up_on_one_series_with_their_labels(compat_server) -> 
         assert value(text, "vllm:gpu_cache_usage_perc", "two_instances") == pytest.approx(0.0, abs=1e-9)
     finally:
         unload(compat_server, "two_instances")
-    # Not ready comes at the unload's start; the instances' series go once both have finalized.
-    assert wait_for(lambda: vllm_lines(scrape(compat_server), "two_instances") == [], timeout=120)
+    # Not ready comes at the unload's start; each instance takes its share out as it finalizes. The
+    # series stay: tritonserver 2.51 frees a series two stubs hold under the second one when the
+    # first deletes it (docs/lifecycle.md), so a multi-instance model leaves them at 0.
+    assert wait_for(
+        lambda: value(scrape(compat_server), "vllm_multistep:engine_alive", "two_instances") == 0, timeout=120
+    ), "the instances did not take their share out"
+    text = scrape(compat_server)
+    assert value(text, "vllm:num_requests_running", "two_instances") == 0
+    assert value(text, "vllm_multistep:kv_cache_total_blocks", "two_instances") == 0
+    assert value(text, "vllm:generation_tokens_total", "two_instances") == 4 * 3  # counters keep their totals
 
 
 def test_after_an_engine_failure_the_model_is_taken_out_of_service(compat_server) -> None:
