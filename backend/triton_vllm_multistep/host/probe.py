@@ -233,9 +233,8 @@ def gather(
         names = model_names(argv, json.loads(index or b"[]"))
     stubs: dict[str, int] = {}
     for pid in server_drain.backend_stub_pids(server_pid, BACKEND_NAME):
-        stub_argv = procfs.cmdline(pid)
-        if procfs.alive(pid) and len(stub_argv) > 1:  # argv[1]: <repository>/<model>/<version>/model.py
-            name = Path(stub_argv[1]).parts[-3]
+        name = server_drain.stub_model_name(pid)
+        if name is not None:
             stubs[name] = stubs.get(name, 0) + 1
     url = metrics_url(argv)
     metrics = http.call("", base=url)[1].decode(errors="replace") if url else ""

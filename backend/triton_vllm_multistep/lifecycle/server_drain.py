@@ -66,6 +66,14 @@ def backend_stub_pids(server_pid: int, backend_name: str) -> list[int]:
     return stubs
 
 
+def stub_model_name(pid: int) -> str | None:
+    """The model a live stub process serves (its argv[1] is <repository>/<model>/<version>/model.py)."""
+    argv = procfs.cmdline(pid)
+    if not procfs.alive(pid) or len(argv) < 2 or len(Path(argv[1]).parts) < 3:
+        return None
+    return Path(argv[1]).parts[-3]
+
+
 def drain_server(
     server_pid: int,
     drain_file: Path,

@@ -445,13 +445,12 @@ class ModelServer:
         before it unloads the old). See BackendMetrics.close."""
         if self.metrics is not None and self.metrics.instances > 1:
             return True
-        from triton_vllm_multistep.lifecycle import procfs, server_drain
+        from triton_vllm_multistep.lifecycle import server_drain
 
-        for pid in server_drain.backend_stub_pids(os.getppid(), self._backend_name):
-            argv = procfs.cmdline(pid)
-            if pid != os.getpid() and len(argv) > 1 and Path(argv[1]).parts[-3:-2] == (self.model_name,):
-                return True
-        return False
+        return any(
+            pid != os.getpid() and server_drain.stub_model_name(pid) == self.model_name
+            for pid in server_drain.backend_stub_pids(os.getppid(), self._backend_name)
+        )
 
     def close(self) -> None:
         self.drain.stop()
