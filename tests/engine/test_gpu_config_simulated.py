@@ -24,14 +24,13 @@ from simulated_cuda import simulated_cuda
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 
-from triton_vllm_multistep.engine import factory
+from triton_vllm_multistep.engine import factory, gpu_constrained
 from triton_vllm_multistep.engine.factory import EngineBuildError, build_engine
 from triton_vllm_multistep.engine.gpu_multistep import WindowClosingEngine, chosen_attention_backend
 from triton_vllm_multistep.engine.loop import module_hooks_time_the_forward_pass
 from triton_vllm_multistep.stub import config
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
-MULTI_STEP_WORKER = "vllm.worker.multi_step_worker.MultiStepWorker"
 
 
 def _model_config(path: Path) -> dict[str, Any]:
@@ -115,7 +114,7 @@ def test_every_shipped_gpu_config_gets_an_engine_config_vllms_multi_step_runner_
         assert scheduler.is_multi_step and scheduler.num_scheduler_steps == args.num_scheduler_steps > 1
         assert scheduler.multi_step_stream_outputs is (settings.stream_mode == "step")
         assert not scheduler.chunked_prefill_enabled
-        assert vllm_config.parallel_config.worker_cls == MULTI_STEP_WORKER
+        assert vllm_config.parallel_config.worker_cls == gpu_constrained.WORKER_QUALNAME
         assert chosen_attention_backend(vllm_config) in ("FLASH_ATTN", "FLASHINFER")
         _vllm_multi_step_runner(vllm_config)  # accepted: no ValueError
 
@@ -193,7 +192,7 @@ def test_tensor_parallel_configs_still_build_on_cuda(monkeypatch: pytest.MonkeyP
     with simulated_cuda():
         vllm_config = _build_config(monkeypatch, _small(args))
         assert vllm_config.parallel_config.tensor_parallel_size == 3
-        assert vllm_config.parallel_config.worker_cls == MULTI_STEP_WORKER
+        assert vllm_config.parallel_config.worker_cls == gpu_constrained.WORKER_QUALNAME
 
 
 def test_forward_pass_hooks_are_used_on_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -220,50 +219,3 @@ def test_engine_cpus_leaves_the_users_thread_count_alone_on_cuda_only() -> None:
     with pytest.raises(config.ConfigError, match="but OMP_NUM_THREADS=64"):
         instance.place_engine(cpus, one_instance, user_threads, "llm")
     assert set(cpu_placement.thread_cpus(os.getpid()).values()) == {cpus}
-
-
-def test_on_cuda_multi_step_requests_needing_logits_processors_are_refused_per_request(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """vLLM's multi-step runner asserts there are no logits processors when it pythonizes (an engine
-    failure for one request with structured output, logit_bias, allowed_token_ids or bad_words):
-    the shipped GPU engine says it cannot run them, so the stub refuses each such request instead."""
-    import inspect
-
-    from vllm.worker.multi_step_model_runner import _pythonize_sampler_output
-
-    from triton_vllm_multistep.engine.cpu_multistep import CPUMultiStepEngine
-    from triton_vllm_multistep.engine.loop import engine_facts
-    from triton_vllm_multistep.stub import codec
-    from triton_vllm_multistep.stub.instance import LOGITS_PROCESSORS_REFUSAL
-
-    assert "Logits Processors are not supported in multi-step decoding" in inspect.getsource(_pythonize_sampler_output)
-    args, _ = _engine_args(REPOSITORY / "vllm_model" / "config.pbtxt")
-    with simulated_cuda():
-        gpu_config = _build_config(monkeypatch, _small(args))
-    gpu_engine = object.__new__(WindowClosingEngine)
-    gpu_engine.model_config, gpu_engine.scheduler_config = gpu_config.model_config, gpu_config.scheduler_config
-    facts = engine_facts(gpu_engine)
-    assert facts.num_scheduler_steps == 8 and not facts.logits_processors
-    limits = codec.ModelLimits(
-        facts.vocab_size,
-        facts.max_model_len,
-        logits_processors=facts.logits_processors,
-        logits_processors_refusal=LOGITS_PROCESSORS_REFUSAL.format(steps=facts.num_scheduler_steps),
-    )
-    for field, value in (
-        ("guided_decoding", '{"choice": ["a"]}'),
-        ("structured_outputs", {"regex": "a"}),
-        ("logit_bias", {"1": 1.0}),
-        ("allowed_token_ids", [1]),
-        ("bad_words", ["x"]),
-    ):
-        with pytest.raises(
-            codec.RequestError, match=f"sampling_parameters.{field} is not accepted: with num_scheduler"
-        ):
-            codec.sampling_params({field: value}, stream=True, limits=limits)
-    codec.sampling_params({"temperature": 0.5}, stream=True, limits=limits)  # the rest is served
-    cpu_config = factory.cpu_multistep_config(_small(args, dtype="float32"), stream_mode="step")
-    cpu_engine = object.__new__(CPUMultiStepEngine)
-    cpu_engine.model_config, cpu_engine.scheduler_config = cpu_config.model_config, cpu_config.scheduler_config
-    assert engine_facts(cpu_engine).logits_processors  # the CPU runner pythonizes every step first

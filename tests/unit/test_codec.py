@@ -245,18 +245,6 @@ def test_return_flags_are_read_and_windows_keep_the_context() -> None:
             MODEL,
             "sampling_parameters.guided_decoding supports one sequence per request",
         ),
-        (
-            sampling({"logit_bias": {"1": 2}}),
-            None,
-            codec.ModelLimits(VOCAB, 64, logits_processors=False, logits_processors_refusal="not on this GPU engine"),
-            "sampling_parameters.logit_bias is not accepted: not on this GPU engine",
-        ),
-        (
-            sampling({"guided_decoding": {"regex": "a"}}),
-            None,
-            codec.ModelLimits(VOCAB, 64, logits_processors=False, logits_processors_refusal="not on this GPU engine"),
-            "sampling_parameters.guided_decoding is not accepted: not on this GPU engine",
-        ),
         (sampling({"lora_name": "x"}), None, MODEL, "sampling_parameters.lora_name is not accepted"),
         (sampling({"temperature": "hot"}), None, MODEL, "sampling_parameters.temperature: expected a number"),
         (sampling({"temperature": "nan"}), None, MODEL, "sampling_parameters.temperature: must be a finite number"),

@@ -37,6 +37,32 @@ Built = Callable[[str, SamplingParams], None]
 Refused = Callable[[str, str], None]
 
 
+def add_request_past_multi_step_check(
+    engine: LLMEngine, add_request: Callable[..., None], *args: Any, **kwargs: Any
+) -> None:
+    """Call vLLM's `add_request` for a request with guided decoding or logits processors on a
+    multi-step engine whose runner applies them exactly (CPU: every step pythonized first; GPU:
+    one-step windows, engine/gpu_constrained.py).
+
+    vLLM 0.8.5 refuses them when num_scheduler_steps > 1 (its GPU runner samples step k+1 before
+    step k's token reaches the CPU, vLLM issue 9893). That check is its only use of
+    num_scheduler_steps while admitting, so it is passed with the value it allows, on the engine
+    thread (nothing schedules meanwhile).
+    """
+    scheduler_config = engine.scheduler_config
+    steps = scheduler_config.num_scheduler_steps
+    scheduler_config.num_scheduler_steps = 1
+    try:
+        add_request(*args, **kwargs)
+    finally:
+        scheduler_config.num_scheduler_steps = steps
+
+
+def needs_logits_processors(params: Any) -> bool:
+    """Sampling parameters that vLLM's multi-step add_request refuses."""
+    return isinstance(params, SamplingParams) and bool(params.guided_decoding or params.logits_processors)
+
+
 class ConstraintGuard:
     """A logits processor that records its failure instead of raising inside the engine's step."""
 

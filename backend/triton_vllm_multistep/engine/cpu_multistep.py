@@ -37,6 +37,8 @@ from vllm.worker.cpu_model_runner import CPUModelRunner, ModelInputForCPUWithSam
 from vllm.worker.cpu_worker import CPUWorker
 from vllm.worker.worker_base import WorkerInput
 
+from triton_vllm_multistep.engine.constraints import add_request_past_multi_step_check, needs_logits_processors
+
 logger = logging.getLogger(__name__)
 
 WORKER_QUALNAME = f"{__name__}.CPUMultiStepWorker"
@@ -350,26 +352,14 @@ class CPUMultiStepEngine(LLMEngine):
             self._fast_detokenizer = fast if fast.usable else None
 
     def add_request(self, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> None:
-        """vLLM's add_request, admitting structured output (guided decoding) and logits processors.
-
-        vLLM 0.8.5 refuses them with multi-step because its GPU runner samples step k+1 before
-        step k's token reaches the CPU, where the processors run (vLLM issue 9893). This runner
-        pythonizes and processes every step before the next one computes its logits (see the
-        class docstring), so a processor sees every earlier token of its request, as at
-        num_scheduler_steps 1. The check is vLLM's only use of num_scheduler_steps while admitting,
-        so it is passed with the value it allows, on the engine thread (nothing schedules meanwhile).
-        """
-        constrained = isinstance(params, SamplingParams) and bool(params.guided_decoding or params.logits_processors)
-        if not constrained:
+        """vLLM's add_request, admitting structured output (guided decoding) and logits processors:
+        this runner pythonizes and processes every step before the next one computes its logits
+        (see the class docstring), so a processor sees every earlier token of its request, as at
+        num_scheduler_steps 1 (engine/constraints.add_request_past_multi_step_check)."""
+        if needs_logits_processors(params):
+            add_request_past_multi_step_check(self, super().add_request, request_id, prompt, params, *args, **kwargs)
+        else:
             super().add_request(request_id, prompt, params, *args, **kwargs)
-            return
-        scheduler_config = self.scheduler_config
-        steps = scheduler_config.num_scheduler_steps
-        scheduler_config.num_scheduler_steps = 1
-        try:
-            super().add_request(request_id, prompt, params, *args, **kwargs)
-        finally:
-            scheduler_config.num_scheduler_steps = steps
 
     def driver_worker(self) -> CPUMultiStepWorker:
         """The worker in this process whose runner samples (rank 0)."""

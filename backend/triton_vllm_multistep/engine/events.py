@@ -78,9 +78,6 @@ class EngineFacts:
     multimodal: bool
     num_scheduler_steps: int
     attention_kernels: str  # engine.cpu_attention.attention_kernels()
-    # Whether logits processors (structured output, logit_bias, ...) see every earlier token of their
-    # request at every step: num_scheduler_steps 1, or the CPU multi-step runner.
-    logits_processors: bool = True
 
 
 EngineEvent = StepOutputs | RequestFailed | EngineDied

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 os.environ.setdefault("VLLM_USE_V1", "0")
 
-from vllm.config import VllmConfig
+from vllm.config import SchedulerConfig, VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 
@@ -216,13 +216,33 @@ def _build_engine(engine_args: EngineArgs, stream_mode: StreamMode) -> LLMEngine
 def gpu_multistep_config(engine_args: EngineArgs) -> VllmConfig:
     """vLLM's engine config for multi-step on a GPU host, refused here if vLLM would refuse it later.
 
+    Its worker and scheduler are vLLM's MultiStepWorker and scheduler as engine/gpu_constrained.py
+    extends them (one-step windows while a request with logits processors runs).
+
     vLLM checks its multi-step runner's attention backend only in `MultiStepWorker.__init__`, once
     the executor builds workers (a ValueError from deep inside vLLM, after workers were started);
     the same check runs here on the config, with an error naming the setting and the fix.
     """
+    from triton_vllm_multistep.engine.gpu_constrained import SCHEDULER_QUALNAME, WORKER_QUALNAME
     from triton_vllm_multistep.engine.gpu_multistep import multi_step_attention_problem
 
-    config = dataclasses.replace(engine_args).create_engine_config()
+    steps = engine_args.num_scheduler_steps
+    # vLLM's MultiStepWorker and V0 scheduler, with one-step windows for requests that need logits
+    # processors (structured output), which vLLM's N-step windows cannot run exactly.
+    chosen = {
+        "worker_cls": ("auto", WORKER_QUALNAME),
+        "scheduler_cls": (SchedulerConfig.scheduler_cls, SCHEDULER_QUALNAME),
+    }
+    for name, (default, ours) in chosen.items():
+        value = getattr(engine_args, name)
+        if value not in (default, ours):
+            raise EngineBuildError(
+                f"{name}={value!r} cannot be combined with num_scheduler_steps={steps} on GPU (the backend runs "
+                f"{ours} there); leave {name} unset or set num_scheduler_steps to 1"
+            )
+    config = dataclasses.replace(
+        engine_args, worker_cls=WORKER_QUALNAME, scheduler_cls=SCHEDULER_QUALNAME
+    ).create_engine_config()
     try:
         problem = multi_step_attention_problem(config)
     except Exception as error:  # vLLM's own check still runs when the workers are built

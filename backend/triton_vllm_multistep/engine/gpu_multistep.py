@@ -21,6 +21,8 @@ from typing import Any
 from vllm.config import VllmConfig
 from vllm.engine.llm_engine import LLMEngine
 
+from triton_vllm_multistep.engine.constraints import add_request_past_multi_step_check, needs_logits_processors
+
 logger = logging.getLogger(__name__)
 
 # What `platforms/cuda.py` needs for FlashAttention-2 (V0), besides an importable vllm_flash_attn.
@@ -199,12 +201,31 @@ def finish_open_window(engine: LLMEngine, step: Any = None) -> list[Any]:
 
 
 class WindowClosingEngine(LLMEngine):
-    """vLLM's V0 LLMEngine (MultiStepWorker on CUDA) that does not run dead windows out.
+    """vLLM's V0 LLMEngine (MultiStepWorker on CUDA) that does not run dead windows out, and that
+    admits requests with logits processors (structured output) when its scheduler and worker run
+    them in one-step windows (engine/gpu_constrained.py).
 
     Before each step, a window whose requests have all finished or been aborted is closed with
     one forward pass (see `close_dead_window`); `close_window()` lets the engine loop do the same
     when it goes idle, so neither the next request's first token nor the remote workers wait on it.
     """
+
+    def add_request(self, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> None:
+        if needs_logits_processors(params) and self.runs_logits_processors_exactly():
+            add_request_past_multi_step_check(self, super().add_request, request_id, prompt, params, *args, **kwargs)
+        else:  # vLLM's own add_request, and its refusal where the window would not be exact
+            super().add_request(request_id, prompt, params, *args, **kwargs)
+
+    def runs_logits_processors_exactly(self) -> bool:
+        """Single-step, or multi-step with the one-step-window scheduler and a worker that runs a
+        one-step window as vLLM's single-step runner does (engine/gpu_constrained.py)."""
+        from triton_vllm_multistep.engine import gpu_constrained
+
+        if not self.scheduler_config.is_multi_step:
+            return True
+        return self.parallel_config.worker_cls in gpu_constrained.ONE_STEP_WINDOW_WORKERS and all(
+            isinstance(scheduler, gpu_constrained.OneStepWhileConstrainedScheduler) for scheduler in self.scheduler
+        )
 
     def step(self) -> list[Any]:
         closed = close_dead_window(self, super().step) if self.scheduler_config.is_multi_step else None

@@ -52,8 +52,6 @@ def driver_model(engine: LLMEngine):
 
 def engine_facts(engine: LLMEngine) -> EngineFacts:
     """What the stub needs to know of a built engine (read where the engine lives)."""
-    from triton_vllm_multistep.engine.cpu_multistep import CPUMultiStepEngine
-
     model = engine.model_config
     steps = int(engine.scheduler_config.num_scheduler_steps)
     return EngineFacts(
@@ -63,9 +61,6 @@ def engine_facts(engine: LLMEngine) -> EngineFacts:
         multimodal=bool(getattr(model, "is_multimodal_model", False)),
         num_scheduler_steps=steps,
         attention_kernels=attention_kernels(),
-        # vLLM's GPU multi-step runner samples step k+1 before step k's token reaches the CPU, where
-        # logits processors run (and asserts there are none); ours pythonizes every step first.
-        logits_processors=steps == 1 or isinstance(engine, CPUMultiStepEngine),
     )
 
 

@@ -143,9 +143,6 @@ CONSTRAINT_OPTIONS = ("backend", "whitespace_pattern")
 # vLLM 0.8.5's guided-decoding backends (all four run on CPU; model.json guided_decoding_backend
 # picks the default, "auto" in vLLM), each optionally followed by ":options".
 GUIDED_BACKENDS = ("auto", "xgrammar", "outlines", "lm-format-enforcer", "guidance")
-# Request fields the engine serves through logits processors, which see a request's earlier
-# tokens only where every step is pythonized before the next is sampled (ModelLimits.logits_processors).
-LOGITS_PROCESSOR_FIELDS = (*STRUCTURED_OUTPUT_FIELDS, "logit_bias", "allowed_token_ids", "bad_words")
 # Keys Triton or its clients put in request parameters that are not sampling fields.
 TRITON_RESERVED_PARAMETERS = frozenset(
     {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers", "stream"}
@@ -200,10 +197,6 @@ class ModelLimits:
     limits: Limits = field(default_factory=Limits)
     model_name: str = "this model"  # the engine's model, for errors about what it cannot take
     multimodal: bool = False
-    # Whether the engine applies logits processors (structured output, logit_bias, ...) exactly at
-    # every step (EngineFacts.logits_processors); without it such requests are refused.
-    logits_processors: bool = True
-    logits_processors_refusal: str = ""  # why not, for the error
 
 
 def _payload_bytes(array: np.ndarray) -> int:
@@ -333,10 +326,6 @@ def sampling_params(
     given = [name for name in STRUCTURED_OUTPUT_FIELDS if fields.get(name) is not None]
     if len(given) > 1:
         raise RequestError(f"{source}: {' and '.join(given)} are two names for one setting; give one")
-    if not limits.logits_processors:
-        refused = [name for name in LOGITS_PROCESSOR_FIELDS if fields.get(name) not in (None, [], {})]
-        if refused:
-            raise RequestError(f"{source}.{refused[0]} is not accepted: {limits.logits_processors_refusal}")
     for name, value in fields.items():
         if name in STRUCTURED_OUTPUT_FIELDS:
             if value is not None:

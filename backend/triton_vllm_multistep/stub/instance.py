@@ -45,13 +45,6 @@ INPUTS = [
     # Declared as Triton's vLLM backend does (base64 images) so its clients' configs load; refused per request.
     (codec.IMAGE_INPUT, "TYPE_STRING", [-1], True),
 ]
-# Why a GPU multi-step engine refuses requests that need logits processors (vLLM 0.8.5's
-# MultiStepModelRunner asserts there are none, worker/multi_step_model_runner.py).
-LOGITS_PROCESSORS_REFUSAL = (
-    "with num_scheduler_steps={steps} on GPU, vLLM's multi-step runner samples each step before the previous "
-    "step's token reaches the CPU, so a logits processor (structured output, logit_bias, allowed_token_ids, "
-    "bad_words) cannot see it; send such requests to a model with num_scheduler_steps 1"
-)
 # Triton's vLLM backend's words for a request refused by a failed engine, kept as the leading phrase.
 UNHEALTHY_ENGINE_MESSAGE = "Model is unavailable due to unhealthy vLLM engine"
 OUTPUTS = [
@@ -231,8 +224,6 @@ class ModelServer:
                 limits=self.settings.limits,
                 model_name=facts.model,
                 multimodal=facts.multimodal,
-                logits_processors=facts.logits_processors,
-                logits_processors_refusal=LOGITS_PROCESSORS_REFUSAL.format(steps=facts.num_scheduler_steps),
             )
             self.metrics = None
             if self.settings.enable_metrics:
