@@ -32,6 +32,12 @@ from vllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# vLLM 0.8.5's xgrammar processor compiles its grammar (`_ensure_ctx`), and its guidance processor
+# its matcher (`_initialize`), at their first call, inside the engine's step; the builder calls them
+# first (each is idempotent and the first thing `__call__` does), so the compile runs here and a
+# grammar that cannot compile fails the request before it is admitted.
+LAZY_INITIALIZERS = ("_ensure_ctx", "_initialize")
+
 # (request id, built SamplingParams) once built; (request id, error message) when it cannot be.
 Built = Callable[[str, SamplingParams], None]
 Refused = Callable[[str, str], None]
@@ -127,6 +133,11 @@ class ConstraintBuilder:
             model_config=self._model_config,
             reasoning_backend=self._reasoning_backend,
         )
+        if processor is not None:
+            for name in LAZY_INITIALIZERS:
+                initialize = getattr(processor, name, None)
+                if callable(initialize):
+                    initialize()
         built = copy.copy(params)
         built.guided_decoding = None
         processors = list(params.logits_processors or [])
