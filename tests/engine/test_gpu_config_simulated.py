@@ -24,7 +24,7 @@ from simulated_cuda import simulated_cuda
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 
-from triton_vllm_multistep.engine import factory, gpu_constrained
+from triton_vllm_multistep.engine import factory, gpu_worker
 from triton_vllm_multistep.engine.factory import EngineBuildError, build_engine
 from triton_vllm_multistep.engine.gpu_multistep import WindowClosingEngine, chosen_attention_backend
 from triton_vllm_multistep.engine.loop import module_hooks_time_the_forward_pass
@@ -114,7 +114,7 @@ def test_every_shipped_gpu_config_gets_an_engine_config_vllms_multi_step_runner_
         assert scheduler.is_multi_step and scheduler.num_scheduler_steps == args.num_scheduler_steps > 1
         assert scheduler.multi_step_stream_outputs is (settings.stream_mode == "step")
         assert not scheduler.chunked_prefill_enabled
-        assert vllm_config.parallel_config.worker_cls == gpu_constrained.WORKER_QUALNAME
+        assert vllm_config.parallel_config.worker_cls == gpu_worker.WORKER_QUALNAME
         assert chosen_attention_backend(vllm_config) in ("FLASH_ATTN", "FLASHINFER")
         _vllm_multi_step_runner(vllm_config)  # accepted: no ValueError
 
@@ -192,7 +192,7 @@ def test_tensor_parallel_configs_still_build_on_cuda(monkeypatch: pytest.MonkeyP
     with simulated_cuda():
         vllm_config = _build_config(monkeypatch, _small(args))
         assert vllm_config.parallel_config.tensor_parallel_size == 3
-        assert vllm_config.parallel_config.worker_cls == gpu_constrained.WORKER_QUALNAME
+        assert vllm_config.parallel_config.worker_cls == gpu_worker.WORKER_QUALNAME
 
 
 def test_forward_pass_hooks_are_used_on_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -48,7 +48,7 @@ def add_request_past_multi_step_check(
 ) -> None:
     """Call vLLM's `add_request` for a request with guided decoding or logits processors on a
     multi-step engine whose runner applies them exactly (CPU: every step pythonized first; GPU:
-    one-step windows, engine/gpu_constrained.py).
+    one-step windows, engine/gpu_worker.py).
 
     vLLM 0.8.5 refuses them when num_scheduler_steps > 1 (its GPU runner samples step k+1 before
     step k's token reaches the CPU, vLLM issue 9893). That check is its only use of

@@ -210,6 +210,11 @@ class CPUMultiStepModelRunner(CPUModelRunner):
 
     def _run_decode_step(self, window: DecodeWindow) -> list[SamplerOutput]:
         model_input = window.model_input
+        if self.lora_config:
+            # vLLM's execute_model does this for every forward pass; a decode window's mapping (one
+            # row per sequence, by adapter) is the same at each step, and the manager skips an
+            # unchanged one, but the window's first step follows another window's mapping.
+            self.set_active_loras(model_input.lora_requests, model_input.lora_mapping)
         with set_forward_context(model_input.attn_metadata, self.vllm_config, model_input.virtual_engine):
             hidden_states = self.model(
                 input_ids=model_input.input_tokens,
@@ -406,7 +411,9 @@ class CPUMultiStepEngine(LLMEngine):
             new_chars = 0
             if detokenize and params.detokenize:
                 new_chars = self._detokenize(seq, params)
-            stop_checker.maybe_stop_sequence(seq, new_char_count=new_chars, sampling_params=params)
+            stop_checker.maybe_stop_sequence(
+                seq, new_char_count=new_chars, sampling_params=params, lora_req=seq_group.lora_request
+            )
             finished = seq.is_finished()
             any_finished |= finished
             if not (stream or finished):
@@ -429,7 +436,8 @@ class CPUMultiStepEngine(LLMEngine):
         here are only placeholders unless the request asked for logprobs: skip that part then.
         """
         fast = self._fast_detokenizer
-        if params.logprobs is not None or seq.tokens is None or fast is None:
+        # An adapter may bring a tokenizer of its own, which vLLM's detokenizer looks up.
+        if params.logprobs is not None or seq.tokens is None or fast is None or seq.lora_request is not None:
             assert self.detokenizer is not None
             return self.detokenizer.decode_sequence_inplace(seq, params)
         new_tokens, new_text, prefix_offset, read_offset = fast.step(

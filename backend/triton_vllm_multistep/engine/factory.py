@@ -61,8 +61,6 @@ def unsupported_engine_features(engine_args: EngineArgs) -> list[str]:
         problems.append("chunked prefill (enable_chunked_prefill)")
     if engine_args.speculative_config:
         problems.append("speculative decoding (speculative_config)")
-    if engine_args.enable_lora:
-        problems.append("LoRA (enable_lora)")
     if engine_args.logits_processor_pattern:
         problems.append("logits processors (logits_processor_pattern)")
     return problems
@@ -180,6 +178,10 @@ def build_engine(engine_args: EngineArgs, *, stream_mode: StreamMode = "step") -
         )
     for scheduler in engine.scheduler:
         count_cached_tokens_afresh(scheduler)
+    if current_platform.is_cpu() and engine.lora_config is not None:
+        from triton_vllm_multistep.engine.cpu_lora import correct_base_rows
+
+        correct_base_rows(engine)
     return engine
 
 
@@ -216,15 +218,15 @@ def _build_engine(engine_args: EngineArgs, stream_mode: StreamMode) -> LLMEngine
 def gpu_multistep_config(engine_args: EngineArgs) -> VllmConfig:
     """vLLM's engine config for multi-step on a GPU host, refused here if vLLM would refuse it later.
 
-    Its worker and scheduler are vLLM's MultiStepWorker and scheduler as engine/gpu_constrained.py
+    Its worker and scheduler are vLLM's MultiStepWorker and scheduler as engine/gpu_worker.py
     extends them (one-step windows while a request with logits processors runs).
 
     vLLM checks its multi-step runner's attention backend only in `MultiStepWorker.__init__`, once
     the executor builds workers (a ValueError from deep inside vLLM, after workers were started);
     the same check runs here on the config, with an error naming the setting and the fix.
     """
-    from triton_vllm_multistep.engine.gpu_constrained import SCHEDULER_QUALNAME, WORKER_QUALNAME
     from triton_vllm_multistep.engine.gpu_multistep import multi_step_attention_problem
+    from triton_vllm_multistep.engine.gpu_worker import SCHEDULER_QUALNAME, WORKER_QUALNAME
 
     steps = engine_args.num_scheduler_steps
     # vLLM's MultiStepWorker and V0 scheduler, with one-step windows for requests that need logits

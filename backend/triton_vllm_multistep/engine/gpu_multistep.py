@@ -203,7 +203,7 @@ def finish_open_window(engine: LLMEngine, step: Any = None) -> list[Any]:
 class WindowClosingEngine(LLMEngine):
     """vLLM's V0 LLMEngine (MultiStepWorker on CUDA) that does not run dead windows out, and that
     admits requests with logits processors (structured output) when its scheduler and worker run
-    them in one-step windows (engine/gpu_constrained.py).
+    them in one-step windows (engine/gpu_worker.py).
 
     Before each step, a window whose requests have all finished or been aborted is closed with
     one forward pass (see `close_dead_window`); `close_window()` lets the engine loop do the same
@@ -218,13 +218,13 @@ class WindowClosingEngine(LLMEngine):
 
     def runs_logits_processors_exactly(self) -> bool:
         """Single-step, or multi-step with the one-step-window scheduler and a worker that runs a
-        one-step window as vLLM's single-step runner does (engine/gpu_constrained.py)."""
-        from triton_vllm_multistep.engine import gpu_constrained
+        one-step window as vLLM's single-step runner does (engine/gpu_worker.py)."""
+        from triton_vllm_multistep.engine import gpu_worker
 
         if not self.scheduler_config.is_multi_step:
             return True
-        return self.parallel_config.worker_cls in gpu_constrained.ONE_STEP_WINDOW_WORKERS and all(
-            isinstance(scheduler, gpu_constrained.OneStepWhileConstrainedScheduler) for scheduler in self.scheduler
+        return self.parallel_config.worker_cls in gpu_worker.ONE_STEP_WINDOW_WORKERS and all(
+            isinstance(scheduler, gpu_worker.OneStepWhileConstrainedScheduler) for scheduler in self.scheduler
         )
 
     def step(self) -> list[Any]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.worker.model_runner_base import InputProcessingError
@@ -128,6 +129,7 @@ class _Admission:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora_request: LoRARequest | None = None
 
 
 class EngineLoop:
@@ -171,7 +173,7 @@ class EngineLoop:
         # Structured output: requests whose constraint is being built (id → prompt ids), those
         # aborted meanwhile, and the constraints that failed in the last step (engine/constraints.py).
         self._builder: ConstraintBuilder | None = None
-        self._building: dict[str, list[int]] = {}
+        self._building: dict[str, tuple[list[int], LoRARequest | None]] = {}
         self._abandoned: set[str] = set()
         self._building_lock = threading.Lock()
         self._constraint_failures: list[tuple[str, str]] = []
@@ -229,26 +231,34 @@ class EngineLoop:
         self._time_steps = time_steps
         self._serving.set()
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
+        """Queue a request for the engine thread; `lora_request` names its adapter (None: the base model)."""
         if params.guided_decoding is not None:
             # Built off this thread and the engine's (engine/constraints.py), then admitted.
             with self._building_lock:
                 if self._builder is None:
                     self._builder = ConstraintBuilder(self.engine, self._constraint_failures)
-                self._building[request_id] = prompt_token_ids
+                self._building[request_id] = (prompt_token_ids, lora_request)
             self._builder.submit(request_id, params, self._constraint_built, self._constraint_refused)
             return
-        self._admissions.append(_Admission(request_id, prompt_token_ids, params))
+        self._admissions.append(_Admission(request_id, prompt_token_ids, params, lora_request))
         self._wake.set()
 
     def _constraint_built(self, request_id: str, params: SamplingParams) -> None:
         """Constraint builder thread: admit the request (unless it was aborted meanwhile)."""
         with self._building_lock:
-            prompt = self._building.pop(request_id, None)
-            if request_id in self._abandoned or prompt is None:
+            building = self._building.pop(request_id, None)
+            if request_id in self._abandoned or building is None:
                 self._abandoned.discard(request_id)
                 return
-        self._admissions.append(_Admission(request_id, prompt, params))
+        prompt, lora_request = building
+        self._admissions.append(_Admission(request_id, prompt, params, lora_request))
         self._wake.set()
 
     def _constraint_refused(self, request_id: str, message: str) -> None:
@@ -296,7 +306,10 @@ class EngineLoop:
             item = self._admissions.popleft()
             try:
                 self.engine.add_request(
-                    item.request_id, TokensPrompt(prompt_token_ids=item.prompt_token_ids), item.params
+                    item.request_id,
+                    TokensPrompt(prompt_token_ids=item.prompt_token_ids),
+                    item.params,
+                    lora_request=item.lora_request,
                 )
             except Exception as error:
                 # One request the engine refuses (vLLM raises ValueError, TypeError, ...) must not

@@ -200,10 +200,10 @@ class EngineProcess:
         self._reader.start()
         self._send(("serve", state_interval, time_steps, on_state is not None))
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: Any, lora_request: Any = None) -> None:
         with self._in_flight_lock:
             self._in_flight.add(request_id)
-        self._send(("submit", request_id, prompt_token_ids, params))
+        self._send(("submit", request_id, prompt_token_ids, params, lora_request))
 
     def abort(self, request_id: str) -> None:
         with self._in_flight_lock:
@@ -326,7 +326,7 @@ def serve_engine(connection: Connection) -> None:
             except (EOFError, OSError):
                 break  # the stub is gone: stop
             if message[0] == "submit":
-                loop.submit(message[1], message[2], message[3])
+                loop.submit(*message[1:])
             elif message[0] == "abort":
                 loop.abort(message[1])
             elif message[0] == "serve":

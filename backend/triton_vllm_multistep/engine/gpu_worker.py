@@ -1,10 +1,12 @@
-"""Logits processors (structured output, logit_bias, allowed_token_ids, bad_words) under vLLM's GPU
-multi-step: one-step windows while a request that has them runs, on vLLM's own single-step path.
+"""The backend's GPU multi-step worker and scheduler: vLLM's MultiStepWorker, MultiStepModelRunner and
+V0 scheduler, extended for logits processors (structured output, logit_bias, allowed_token_ids,
+bad_words) and for LoRA adapter management.
 
-Owns the scheduler that gives such batches windows of one step and the MultiStepWorker / runner
-that run those windows as vLLM runs num_scheduler_steps=1; must not change windows without
-logits processors, and is not used by the CPU engine (engine/cpu_multistep.py pythonizes every
-step before the next one's logits, so its windows stay N steps long).
+Owns the scheduler that gives batches holding logits processors windows of one step, the runner
+that runs those windows as vLLM runs num_scheduler_steps=1, and the runner's adapter-management
+calls; must not change windows without logits processors, and is not used by the CPU engine
+(engine/cpu_multistep.py pythonizes every step before the next one's logits, so its windows stay N
+steps long).
 
 Why (vLLM 0.8.5, paths relative to vllm/): a logits processor reads its request's output tokens
 from the sequence data (model_executor/layers/logits_processor.py `_apply_logits_processors`).
@@ -22,6 +24,13 @@ run by the base GPUModelRunner as at num_scheduler_steps=1 (the sampler pythoniz
 that step), through StatefulModelInput.is_multi_step, which the driver broadcasts to
 tensor-parallel workers. The cost: the whole batch decodes one step per window while such a
 request runs (docs/gpu.md).
+
+LoRA: vLLM 0.8.5's MultiStepModelRunner passes only `remove_all_loras` on to the base runner that
+owns the LoRA manager (worker/multi_step_model_runner.py); its own `add_lora`, `remove_lora`,
+`pin_lora` and `list_loras` are GPUModelRunnerBase's, whose manager is None under multi-step, so
+`LLMEngine.add_lora` and friends raised "LoRA is not enabled" there. The runner passes them on.
+Requests carrying a LoRARequest were not affected (the base runner activates their adapters at
+every step's `execute_model`, `set_active_loras`).
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from vllm.worker.multi_step_worker import MultiStepWorker
 logger = logging.getLogger(__name__)
 
 SCHEDULER_QUALNAME = f"{__name__}.OneStepWhileConstrainedScheduler"
-WORKER_QUALNAME = f"{__name__}.ConstrainedWindowWorker"
+WORKER_QUALNAME = f"{__name__}.BackendMultiStepWorker"
 # Workers that run a one-step window holding logits processors as vLLM's single-step runner does:
 # ours on GPU, and the CPU multi-step worker (which pythonizes every step; named, not imported,
 # so that GPU hosts never import the CPU runner), on which tests run this scheduler.
@@ -63,7 +72,7 @@ def window_is_constrained(seq_group_metadata_list: list[SequenceGroupMetadata]) 
     if steps != 1:
         raise RuntimeError(
             f"a scheduling window of {steps} steps holds a request with logits processors; on GPU such "
-            "windows must be one step long (engine/gpu_constrained.OneStepWhileConstrainedScheduler)"
+            "windows must be one step long (engine/gpu_worker.OneStepWhileConstrainedScheduler)"
         )
     return True
 
@@ -85,7 +94,7 @@ class OneStepWhileConstrainedScheduler(Scheduler):
             config.num_scheduler_steps, config.num_lookahead_slots = steps, lookahead
 
 
-class ConstrainedWindowRunner(MultiStepModelRunner):
+class BackendMultiStepModelRunner(MultiStepModelRunner):
     """MultiStepModelRunner that runs one-step windows holding logits processors as vLLM runs
     num_scheduler_steps=1: the base runner samples and pythonizes in the step."""
 
@@ -115,13 +124,26 @@ class ConstrainedWindowRunner(MultiStepModelRunner):
         base.sampler.include_gpu_probs_tensor = False
         return base.execute_model(model_input.frozen_model_input, kv_caches, intermediate_tensors, num_steps)
 
+    # Adapter management lives in the base runner's LoRA manager (see the module docstring).
+    def add_lora(self, lora_request: Any) -> bool:
+        return self._base_model_runner.add_lora(lora_request)
 
-class ConstrainedWindowWorker(MultiStepWorker):
-    """vLLM's MultiStepWorker with ConstrainedWindowRunner as its runner (adds no state)."""
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._base_model_runner.remove_lora(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self._base_model_runner.pin_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._base_model_runner.list_loras()
+
+
+class BackendMultiStepWorker(MultiStepWorker):
+    """vLLM's MultiStepWorker with BackendMultiStepModelRunner as its runner (adds no state)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # MultiStepWorker.__init__ builds its runner around the base runner itself; giving the
         # built object the subclass keeps that construction as vLLM wrote it.
         assert type(self.model_runner) is MultiStepModelRunner, type(self.model_runner)
-        self.model_runner.__class__ = ConstrainedWindowRunner
+        self.model_runner.__class__ = BackendMultiStepModelRunner
