@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import gc
 import json
+import queue
 import shutil
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +25,7 @@ from private_servers import make_repository, serving
 from served_models import LLM_MODEL, REAL_MODEL, SHIPPED_REPOSITORY
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from triton_clients import StreamResult, grpc_generate, make_inputs
+from tritonclient.utils import InferenceServerException
 
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.demo import smollm2
@@ -219,6 +222,161 @@ def test_their_structured_outputs_test_logic_passes_against_this_backend(
         assert ours.error is None and ours.finals == 1, ours.error
         assert ours.text() == baseline.text()
         assert ours.text().removeprefix(prompt) in choices, ours.text()
+
+
+# Triton's vLLM backend, ci/L0_backend_vllm/accuracy_test/accuracy_test.py (r25.01-r25.10):
+# GUIDED_PROMPTS, SAMPLING_PARAMETERS and the guided_decoding it adds, per branch.
+THEIR_GUIDED_PROMPTS = ["Classify intent of the sentence: Harry Potter is underrated. "]
+THEIR_SAMPLING_PARAMETERS = {"temperature": 0, "top_p": 1}
+THEIR_GUIDED_DECODING = {
+    "r25.01-r25.09": {"choice": ["Positive", "Negative"], "backend": "outlines"},
+    "r25.10": {"choice": ["Positive", "Negative"]},
+}
+
+
+def _their_guided_request(prompt: str, request_id: int, sampling: dict) -> dict:
+    """Their ci/common/test_util.py create_vllm_request (stream False, parameters sent as the tensor):
+    text_input, stream, sampling_parameters, only text_output asked for, and the same dict again as
+    the request's parameters."""
+    inputs = [grpcclient.InferInput("text_input", [1], "BYTES")]
+    inputs[-1].set_data_from_numpy(np.array([prompt.encode("utf-8")], dtype=np.object_))
+    inputs.append(grpcclient.InferInput("stream", [1], "BOOL"))
+    inputs[-1].set_data_from_numpy(np.array([False], dtype=bool))
+    inputs.append(grpcclient.InferInput("sampling_parameters", [1], "BYTES"))
+    inputs[-1].set_data_from_numpy(np.array([json.dumps(sampling).encode("utf-8")], dtype=np.object_))
+    return {
+        "inputs": inputs,
+        "outputs": [grpcclient.InferRequestedOutput("text_output")],
+        "request_id": str(request_id),
+        "parameters": sampling,
+    }
+
+
+def _their_callback(completed: queue.Queue, result, error) -> None:
+    """Their test_util.callback: the error, else the result, into the completed-requests queue."""
+    completed.put(error if error else result)
+
+
+def test_their_guided_decoding_test_logic_passes_against_this_backend(
+    real_server: ServerProcess, real_model_path: Path
+) -> None:
+    """Triton's vLLM backend's `test_guided_decoding` (ci/L0_backend_vllm/accuracy_test/accuracy_test.py,
+    r25.01-r25.10), its logic kept: the baseline is vLLM without Triton (their AsyncLLMEngine with
+    SamplingParams(temperature=0, top_p=1) and GuidedDecodingParams(choice=["Positive", "Negative"],
+    backend="outlines"; no backend from r25.10), each output `prompt + text` as bytes, one per guided
+    prompt; then on one gRPC stream one non-streamed request per prompt, sampling_parameters =
+    {"temperature": 0, "top_p": 1, "guided_decoding": json.dumps(those params)} sent both as the tensor
+    and as the request parameters, only text_output asked for; each result must not be an error,
+    text_output must be there, and the outputs must equal the baseline (sorted). Adapted: the model
+    (SmolLM2 served by the multi-step `vllm_model`, steps 8, instead of their `vllm_opt`, OPT-125m) and
+    the baseline engine (offline vLLM `LLM` on the same model and engine settings). Their final check,
+    `assertEqual(baseline.sort(), triton.sort())`, compares None with None (list.sort() returns None)
+    and so can never fail; this asserts what it means, and that each answer is the prompt plus one of
+    the choices."""
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import GuidedDecodingParams
+
+    llm = LLM(str(real_model_path), dtype="float32", max_model_len=2048, seed=0, enforce_eager=True)
+    baselines = {}
+    for branch, guided in THEIR_GUIDED_DECODING.items():
+        params = SamplingParams(**THEIR_SAMPLING_PARAMETERS, guided_decoding=GuidedDecodingParams(**guided))
+        outputs = llm.generate(THEIR_GUIDED_PROMPTS, params, use_tqdm=False)
+        baselines[branch] = [
+            (prompt + completion.text).encode("utf-8")
+            for prompt, output in zip(THEIR_GUIDED_PROMPTS, outputs, strict=True)
+            for completion in output.outputs
+        ]
+    del llm
+    gc.collect()
+
+    for branch, guided in THEIR_GUIDED_DECODING.items():
+        baseline = baselines[branch]
+        assert baseline != [] and len(baseline) == len(THEIR_GUIDED_PROMPTS), branch
+        sampling = {**THEIR_SAMPLING_PARAMETERS, "guided_decoding": json.dumps(guided)}
+        completed: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(real_server.grpc_url)
+        client.start_stream(callback=partial(_their_callback, completed))
+        try:
+            for i, prompt in enumerate(THEIR_GUIDED_PROMPTS):
+                request = _their_guided_request(prompt, i, sampling)
+                client.async_stream_infer(model_name=LLM_MODEL, **request)
+            triton_output = []
+            for _ in THEIR_GUIDED_PROMPTS:
+                result = completed.get(timeout=120)
+                assert not isinstance(result, InferenceServerException), (branch, str(result))
+                output = result.as_numpy("text_output")
+                assert output is not None, "`text_output` should not be None"
+                triton_output.extend(output)
+        finally:
+            client.stop_stream()
+            client.close()
+        assert sorted(baseline) == sorted(triton_output), branch
+        for prompt, answer in zip(THEIR_GUIDED_PROMPTS, triton_output, strict=True):
+            assert answer.decode("utf-8").removeprefix(prompt) in guided["choice"], (branch, answer)
+
+
+def _ensemble_chat_inputs(question: str, sampling: dict, stream: bool) -> list:
+    """The ensemble's chat request as client_examples/grpc_stream.py --chat builds it (messages, stream,
+    sampling_parameters carrying guided_decoding as a JSON string)."""
+    inputs = make_inputs(grpcclient, sampling=sampling, stream=stream)
+    messages = grpcclient.InferInput("messages", [1], "BYTES")
+    messages.set_data_from_numpy(np.array([json.dumps([{"role": "user", "content": question}]).encode()], np.object_))
+    return [*inputs, messages]
+
+
+# SCHEMA without maxLength, which xgrammar (the default backend) compiles itself; with it vLLM falls
+# back to outlines, whose index over SmolLM2's 49k-token vocabulary takes minutes on a loaded 2-core
+# host in each engine (that fallback is covered above, on the LLM model).
+ENSEMBLE_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+    "required": ["city", "population"],
+}
+ENSEMBLE_STRUCTURED = {
+    "choice": STRUCTURED["choice"],
+    "regex": STRUCTURED["regex"],
+    "json schema": ("Describe Paris as JSON.", {"json": ENSEMBLE_SCHEMA}),
+}
+PATIENT = 600.0  # s without a FINAL before a request counts as hung: constraints compile slowly under load
+
+
+@pytest.mark.parametrize("kind", sorted(ENSEMBLE_STRUCTURED))
+def test_structured_output_through_the_ensemble_at_steps_8_equals_the_llm_at_steps_1(
+    real_server: ServerProcess, real_model_path: Path, kind: str
+) -> None:
+    """preprocessing → vllm_model (steps 8) → postprocessing with sampling_parameters.guided_decoding:
+    the streamed text (and tokens) equal the single-step LLM model's for the same chat prompt and
+    constraint, one ensemble response per LLM response, the whole (non-streamed) ensemble text equals
+    the streamed one, and the answer obeys the constraint."""
+    import re
+
+    import jsonschema
+
+    question, constraint = ENSEMBLE_STRUCTURED[kind]
+    ids = chat_ids(AutoTokenizer.from_pretrained(real_model_path), question)
+    sampling = {"temperature": 0, "max_tokens": 128, "guided_decoding": json.dumps(constraint)}
+    one = served(real_server, ids, sampling, model=STEPS1, stream=True, return_finish_reason=True, timeout=PATIENT)
+    streamed, whole = (
+        grpc_generate(
+            real_server.grpc_url, "ensemble", inputs=_ensemble_chat_inputs(question, sampling, stream), timeout=PATIENT
+        )
+        for stream in (True, False)
+    )
+    for result in (streamed, whole):
+        assert result.error is None and result.finals == 1, (kind, result.error)
+    text = streamed.text()
+    assert text == one.text() == whole.text(), kind
+    assert streamed.token_ids() == one.token_ids() == whole.token_ids(), kind
+    assert len(streamed.data_responses) == len(one.data_responses) > 1  # streamed per step, not in one piece
+    assert len(whole.data_responses) == 1
+    if kind == "choice":
+        assert text in constraint["choice"], text
+    elif kind == "regex":
+        assert re.fullmatch(constraint["regex"], text), text
+    elif one.data_responses[-1]["finish_reason"][0] == b"length":
+        assert text.lstrip().startswith("{"), text  # cut by max_tokens: a JSON object begun
+    else:
+        jsonschema.validate(json.loads(text), ENSEMBLE_SCHEMA)
 
 
 def test_the_readme_structured_output_example_through_the_ensemble(real_server: ServerProcess) -> None:
