@@ -110,7 +110,7 @@ def test_requests_beyond_the_configured_limits_are_refused(limited_server, kwarg
     ("sampling", "message"),
     [
         ({"logits_processors": ["os.system"]}, "logits processors are not supported"),
-        ({"lora_name": "/etc/passwd"}, "LoRA adapters are not supported"),
+        ({"lora_name": "/etc/passwd"}, "LoRA feature is not enabled."),
         ({"lora_request": {"lora_path": "/tmp/adapter"}}, "lora_request is not a known vLLM sampling parameter"),
         ({"trust_remote_code": True}, "trust_remote_code is not a known vLLM sampling parameter"),
         ({"tokenizer": "/tmp/evil-tokenizer"}, "tokenizer is not a known vLLM sampling parameter"),

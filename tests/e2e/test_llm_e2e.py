@@ -160,7 +160,7 @@ BAD_INPUTS = [
     ({"prompt": "hi", "sampling": {"stop_token_ids": [10**6]}}, "stop_token_ids: token id 1000000 is outside"),
     ({"prompt": "hi", "sampling": {"guided_decoding": {"regex": "a+", "json_object": True}}}, "needs exactly one of"),
     ({"prompt": "hi", "sampling": {"logits_processors": ["x"]}}, "logits processors are not supported"),
-    ({"prompt": "hi", "sampling": {"lora_name": "x"}}, "LoRA adapters are not supported"),
+    ({"prompt": "hi", "sampling": {"lora_name": "x"}}, "LoRA feature is not enabled."),
     ({"prompt": ""}, "'text_input' is empty"),
     ({"input_ids": []}, "the prompt has no tokens"),
     ({"input_ids": LONG_IDS}, "more than this model's limit of 1024"),

@@ -41,7 +41,6 @@ def _args(path: str, steps: int = 8, **kwargs: Any) -> EngineArgs:
     [
         ({"enable_chunked_prefill": True}, "chunked prefill"),
         ({"speculative_config": {"model": "[ngram]", "num_speculative_tokens": 2}}, "speculative"),
-        ({"enable_lora": True}, "LoRA"),
         ({"logits_processor_pattern": ".*"}, "logits processors"),
     ],
 )

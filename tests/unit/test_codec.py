@@ -245,7 +245,7 @@ def test_return_flags_are_read_and_windows_keep_the_context() -> None:
             MODEL,
             "sampling_parameters.guided_decoding supports one sequence per request",
         ),
-        (sampling({"lora_name": "x"}), None, MODEL, "sampling_parameters.lora_name is not accepted"),
+        (sampling({"lora_name": "x"}), None, MODEL, "LoRA feature is not enabled."),
         (sampling({"temperature": "hot"}), None, MODEL, "sampling_parameters.temperature: expected a number"),
         (sampling({"temperature": "nan"}), None, MODEL, "sampling_parameters.temperature: must be a finite number"),
         (sampling({"top_k": True}), None, MODEL, "sampling_parameters.top_k: expected an integer, got True"),

@@ -12,7 +12,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from vllm.engine.arg_utils import EngineArgs
@@ -36,7 +36,7 @@ from triton_vllm_multistep.engine.events import (
 )
 from triton_vllm_multistep.engine.factory import build_engine, serving_torch_threads
 from triton_vllm_multistep.engine.prefix_cache import prefix_cache_hit_rate
-from triton_vllm_multistep.engine.warmup import warmed_up
+from triton_vllm_multistep.engine.warmup import preload_adapters, warmed_up
 
 logger = logging.getLogger(__name__)
 
@@ -477,13 +477,17 @@ class EngineLoop:
 
 
 def serving_loop(
-    engine_args: EngineArgs, stream_mode: StreamMode, user_threads: Mapping[str, str | None]
+    engine_args: EngineArgs,
+    stream_mode: StreamMode,
+    user_threads: Mapping[str, str | None],
+    adapters: Sequence[tuple[str, int, str]] = (),
 ) -> EngineLoop:
     """The EngineLoop a served model runs (in the stub or in an engine process): it builds the engine
-    in its thread, warms it up there (a setting that would fail the first request fails the load)
-    and applies the serving thread policy unless the user chose (`user_threads`, read before the
-    build by factory.thread_choice_of_user)."""
+    in its thread, warms it up there (a setting that would fail the first request fails the load),
+    loads the model's LoRA `adapters` ((name, lora_int_id, path)) once (a bad one fails the load) and
+    applies the serving thread policy unless the user chose (`user_threads`, read before the build
+    by factory.thread_choice_of_user)."""
     return EngineLoop(
-        lambda: warmed_up(build_engine(engine_args, stream_mode=stream_mode), engine_args),
+        lambda: preload_adapters(warmed_up(build_engine(engine_args, stream_mode=stream_mode), engine_args), adapters),
         lambda engine: serving_torch_threads(model_parameters(engine), user_threads),
     )

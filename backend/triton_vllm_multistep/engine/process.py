@@ -62,6 +62,8 @@ class EngineSpec:
     user_threads: dict[str, str | None] = field(default_factory=dict)  # factory.thread_choice_of_user()
     use_ipex: bool = True
     cpus: tuple[int, ...] = ()  # config.pbtxt engine_cpus; empty: the CPUs it inherits
+    # multi_lora.json's adapters as (name, lora_int_id, path), loaded once at start (warmup.preload_adapters)
+    lora_adapters: tuple[tuple[str, int, str], ...] = ()
 
 
 class EngineProcessError(RuntimeError):
@@ -382,7 +384,12 @@ def _built_loop(spec: EngineSpec, connection: Connection) -> tuple[Any, Any]:
             # launch() gave this process vLLM's binding of one torch thread to each of its CPUs; the
             # serving thread policy (all cores but one) is for an engine that shares its cores.
             user_threads = {**user_threads, **cpu_placement.engine_thread_environment(spec.cpus)}
-        loop = serving_loop(EngineArgs(**spec.engine_args), spec.stream_mode, user_threads)  # type: ignore[arg-type]
+        loop = serving_loop(
+            EngineArgs(**spec.engine_args),
+            spec.stream_mode,  # type: ignore[arg-type]
+            user_threads,
+            spec.lora_adapters,
+        )
         engine = loop.start_engine()
     except BaseException as error:
         try:

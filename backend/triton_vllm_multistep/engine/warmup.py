@@ -2,7 +2,8 @@
 would trip on fail the model's load instead.
 
 Owns the warm-up workload (prefill without and with a cached prefix, a request arriving inside a
-running multi-step window, greedy and seeded sampling, logprobs) and the load error it raises;
+running multi-step window, greedy and seeded sampling, logprobs), loading the model's LoRA adapters
+once (vLLM's own checks of each, e.g. its target modules), and the load errors they raise;
 must not run once the engine serves requests (it drives `step()` itself) or touch global RNG state.
 """
 
@@ -11,12 +12,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
+
+from triton_vllm_multistep.engine.factory import EngineBuildError
 
 logger = logging.getLogger(__name__)
 
@@ -157,4 +162,22 @@ def warmed_up(engine: LLMEngine, engine_args: EngineArgs | None = None) -> LLMEn
     except EngineWarmupError:
         engine.model_executor.shutdown()
         raise
+    return engine
+
+
+def preload_adapters(engine: LLMEngine, adapters: Sequence[tuple[str, int, str]]) -> LLMEngine:
+    """`engine` with each LoRA adapter loaded once into its CPU cache, as vLLM loads it for a request
+    (files, PEFT config, rank, target modules the model supports); EngineBuildError naming the first
+    that fails, the engine shut down. The cache keeps at most max_cpu_loras: later requests reload
+    evicted ones from the same, now checked, folders."""
+    for name, lora_int_id, path in adapters:
+        try:
+            engine.add_lora(LoRARequest(name, lora_int_id, path))
+        except Exception as error:
+            engine.model_executor.shutdown()
+            raise EngineBuildError(
+                f"LoRA adapter {name!r} ({path}) cannot be loaded by vLLM: {type(error).__name__}: {error}"
+            ) from None
+    if adapters:
+        logger.info("LoRA adapters checked: %s", ", ".join(name for name, _, _ in adapters))
     return engine

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # vLLM is imported where used: auto_complete_config's stub ne
 
 from triton_vllm_multistep.stub.config import MAX_STREAM_INTERVAL, Limits
 from triton_vllm_multistep.stub.detokenization import text_window
+from triton_vllm_multistep.stub.lora import LORA_NAME_FIELD, LORA_OFF_MESSAGE, Adapter
 
 RETURN_FLAGS = (
     "return_finish_reason",
@@ -128,7 +129,6 @@ FIELD_CONVERTERS: dict[str, Callable[[str, Any], Any]] = {
 # Fields that exist in vLLM but that a request must not set here, and why.
 REFUSED_FIELDS = {
     "logits_processors": "logits processors are not supported with multi-step scheduling",
-    "lora_name": "LoRA adapters are not supported with multi-step scheduling",
     "output_kind": "set by the backend from the 'stream' input",
     "detokenize": "the backend always detokenizes (text_output)",
     "output_text_buffer_length": "internal to vLLM",
@@ -183,6 +183,7 @@ class GenerationRequest:
     stream_interval: int | None = None
     # The outputs the client (or the ensemble step) asked for; None: all. Only these are built.
     outputs: frozenset[str] | None = None
+    adapter: Adapter | None = None  # `lora_name`'s adapter; None: the base model
 
     def wants(self, name: str) -> bool:
         return self.outputs is None or name in self.outputs
@@ -197,6 +198,7 @@ class ModelLimits:
     limits: Limits = field(default_factory=Limits)
     model_name: str = "this model"  # the engine's model, for errors about what it cannot take
     multimodal: bool = False
+    adapters: tuple[Adapter, ...] | None = None  # multi_lora.json's, in its order; None: LoRA off
 
 
 def _payload_bytes(array: np.ndarray) -> int:
@@ -469,6 +471,7 @@ def decode_request(
 
     fields, source = sampling_fields(inputs, parameters_json)
     interval = _stream_interval(fields.pop(STREAM_INTERVAL_FIELD, None), source)
+    adapter = adapter_for(fields.pop(LORA_NAME_FIELD, None), model.adapters, source)
     params = sampling_params(fields, stream, model, source)
     if not exclude and prompt_text is None:
         prompt_text = decode(prompt_ids)
@@ -484,7 +487,24 @@ def decode_request(
         returns=returns,
         context_ids=list(prompt_ids) if returns.detokenization_window else None,
         stream_interval=interval,
+        adapter=adapter,
     )
+
+
+def adapter_for(lora_name: Any, adapters: Sequence[Adapter] | None, source: str) -> Adapter | None:
+    """The adapter a request's `lora_name` asks for (None: the base model). Refused with Triton's vLLM
+    backend's messages: LoRA off, or a name its multi_lora.json does not have."""
+    if lora_name is None:
+        return None
+    if adapters is None:
+        raise RequestError(LORA_OFF_MESSAGE)
+    if not isinstance(lora_name, str):
+        raise RequestError(f"{source}.{LORA_NAME_FIELD} must be a string, got {_json_type(lora_name)}")
+    for adapter in adapters:
+        if adapter.name == lora_name:
+            return adapter
+    supported = [adapter.name for adapter in adapters]
+    raise RequestError(f"LoRA {lora_name} is not supported, we currently support {supported}")
 
 
 def _stream_interval(value: Any, source: str) -> int | None:

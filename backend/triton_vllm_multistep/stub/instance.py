@@ -20,7 +20,7 @@ from triton_vllm_multistep.engine import cpu_placement, extensions
 from triton_vllm_multistep.engine.events import EngineRunner
 from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec, NoPythonForEngineProcess
 from triton_vllm_multistep.lifecycle import drain, protocol, triton_command
-from triton_vllm_multistep.stub import codec, config, triton_io
+from triton_vllm_multistep.stub import codec, config, lora, triton_io
 from triton_vllm_multistep.stub.detokenization import window_decoder
 from triton_vllm_multistep.stub.device import gpu_count, instance_device_environment
 
@@ -109,20 +109,27 @@ def start_engine_runner(
     engine_args: Any,
     user_threads: dict[str, str | None],
     process: EngineProcess | None,
+    adapters: tuple[lora.Adapter, ...] = (),
 ) -> EngineRunner:
     """Build the model's engine in `process` (launched by launch_engine_process) or, without one, in
-    a thread of the stub; returns its runner, built. Raises what the build raised (EngineBuildError
-    for settings this backend refuses)."""
+    a thread of the stub, with its LoRA `adapters` loaded once; returns its runner, built. Raises
+    what the build raised (EngineBuildError for settings this backend refuses, or a bad adapter)."""
     from triton_vllm_multistep.engine.loop import serving_loop
 
     engine_mode = config.engine_stream_mode(settings.stream_mode)
+    plain_adapters = tuple((a.name, a.lora_int_id, a.path) for a in adapters)
     if process is not None:
         process.spec = EngineSpec(
-            engine_values, engine_mode, user_threads=user_threads, use_ipex=settings.use_ipex, cpus=settings.engine_cpus
+            engine_values,
+            engine_mode,
+            user_threads=user_threads,
+            use_ipex=settings.use_ipex,
+            cpus=settings.engine_cpus,
+            lora_adapters=plain_adapters,
         )
         process.start_engine()
         return process
-    runner = serving_loop(engine_args, engine_mode, user_threads)
+    runner = serving_loop(engine_args, engine_mode, user_threads, plain_adapters)
     runner.start_engine()  # a failed build has ended the engine thread
     return runner
 
@@ -162,8 +169,9 @@ class ModelServer:
     def __init__(self, pb_utils: Any, args: dict[str, str]) -> None:
         model_config = json.loads(args["model_config"])
         model_dir = Path(args["model_repository"])
-        engine_json = config.apply_config_engine_args(
-            config.load_engine_json(model_dir, args.get("model_version", "1")), model_config
+        version = str(args.get("model_version", "1"))
+        engine_json = lora.normalize_enable_lora(
+            config.apply_config_engine_args(config.load_engine_json(model_dir, version), model_config)
         )
         if not config.use_ipex_setting(model_config, engine_json):
             from triton_vllm_multistep.engine.ipex_switch import turn_ipex_off
@@ -195,6 +203,16 @@ class ModelServer:
 
             engine_values = config.engine_args_values(engine_json, model_dir, self.settings)
             engine_args = config.to_engine_args(engine_values)
+            # multi_lora.json beside model.json (the version folder, as in Triton's vLLM backend).
+            self.adapters = (
+                lora.load_adapters(
+                    model_dir / version if (model_dir / version).is_dir() else model_dir,
+                    engine_json,
+                    lora.local_model_dir(str(engine_values["model"])),
+                )
+                if lora.lora_enabled(engine_json)
+                else None
+            )
             # The stub is a child of tritonserver: its command line says how it runs.
             self._server_command = triton_command.of_process(os.getppid())
             user_threads = thread_choice_of_user()  # before the build: vLLM sets OMP_NUM_THREADS during it
@@ -202,7 +220,7 @@ class ModelServer:
                 place_engine(self.settings.engine_cpus, model_config, user_threads, self.model_name)
             try:
                 self.loop: EngineRunner = start_engine_runner(
-                    self.settings, engine_values, engine_args, user_threads, engine_process
+                    self.settings, engine_values, engine_args, user_threads, engine_process, self.adapters or ()
                 )
             except EngineBuildError as error:
                 # Settings this backend refuses: a load error naming them, not a trace into the engine.
@@ -224,7 +242,12 @@ class ModelServer:
                 limits=self.settings.limits,
                 model_name=facts.model,
                 multimodal=facts.multimodal,
+                adapters=self.adapters,
             )
+            from vllm.lora.request import LoRARequest
+
+            # What each request with a lora_name carries into the engine (vLLM caches adapters by id).
+            self._lora_requests = {a.name: LoRARequest(a.name, a.lora_int_id, a.path) for a in self.adapters or ()}
             self.metrics = None
             if self.settings.enable_metrics:
                 from triton_vllm_multistep.stub.metrics import BackendMetrics
@@ -365,7 +388,8 @@ class ModelServer:
             if not self.responder.register(engine_id, RequestState(sender=sender, request=generation, timing=timing)):
                 self._refuse(sender)  # draining began since the check above
                 continue
-            self.loop.submit(engine_id, generation.prompt_token_ids, generation.sampling_params)
+            lora_request = self._lora_requests[generation.adapter.name] if generation.adapter else None
+            self.loop.submit(engine_id, generation.prompt_token_ids, generation.sampling_params, lora_request)
             if not self.loop.healthy:
                 # The engine died between the check above and the submit: nobody else will
                 # answer this request (fail() is a no-op if the death handling already did).
