@@ -8,6 +8,7 @@ Triton's: instances of one model version write the same series).
 from __future__ import annotations
 
 import logging
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -395,3 +396,35 @@ def test_closing_takes_this_instances_share_out_and_frees_its_series_only_when_n
     del closing, metrics
     gc.collect()
     assert (alive() is not None) == shared  # never freed, so its metrics never send a delete
+
+
+def test_lora_requests_info_has_vllms_labels_one_series_per_adapter_set_valued_with_the_time() -> None:
+    """vLLM V0's vllm:lora_requests_info (engine/metrics.py): labels running_lora_adapters,
+    waiting_lora_adapters (names once each, comma-joined) and max_lora; value the time the set was last
+    current; an earlier set's series stays with its older time (as vLLM leaves it)."""
+
+    pb = FakePbUtils()
+    metrics = BackendMetrics(pb, "m", "1", max_model_len=1024, max_loras=2)
+    state = KvCacheStats(10, 20, running=3, waiting=1, running_lora_adapters="doll,sheep", waiting_lora_adapters="doll")
+    before = time.time()
+    metrics.update_engine_state(state)
+    metrics.flush()
+    first = pb.value(
+        "vllm:lora_requests_info", max_lora="2", running_lora_adapters="doll,sheep", waiting_lora_adapters="doll"
+    )
+    assert before <= first <= time.time()
+    metrics.update_engine_state(KvCacheStats(20, 20, running=0, waiting=0))
+    metrics.flush()
+    later = pb.value("vllm:lora_requests_info", max_lora="2", running_lora_adapters="", waiting_lora_adapters="")
+    assert later >= first
+    assert (
+        pb.value(
+            "vllm:lora_requests_info", max_lora="2", running_lora_adapters="doll,sheep", waiting_lora_adapters="doll"
+        )
+        == first
+    )
+    without_lora = FakePbUtils()
+    plain = new_metrics(without_lora)
+    plain.update_engine_state(state)
+    plain.flush()
+    assert not [key for key in without_lora.series if key[0] == "vllm:lora_requests_info"]

@@ -66,6 +66,10 @@ class KvCacheStats:
     waiting: int
     # Share of looked-up blocks found in the prefix cache since start (vLLM's figure); -1 when off.
     prefix_cache_hit_rate: float = -1.0
+    # LoRA adapter names of the running and the waiting requests, each once, comma-joined in the order
+    # vLLM V0's stats list them (the labels of its vllm:lora_requests_info).
+    running_lora_adapters: str = ""
+    waiting_lora_adapters: str = ""
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class EngineFacts:
     multimodal: bool
     num_scheduler_steps: int
     attention_kernels: str  # engine.cpu_attention.attention_kernels()
+    max_loras: int = 0  # LoRA adapters a batch may hold (vLLM's max_loras); 0: LoRA off
 
 
 EngineEvent = StepOutputs | RequestFailed | EngineDied

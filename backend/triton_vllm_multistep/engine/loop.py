@@ -12,8 +12,9 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
@@ -51,6 +52,13 @@ def driver_model(engine: LLMEngine):
     return model if hasattr(model, "register_forward_hook") else None
 
 
+def lora_adapter_names(queues: Iterable[Iterable[Any]]) -> str:
+    """The adapter names of the requests in `queues`, each once in first-seen order, comma-joined: the
+    label value vLLM V0's `_get_stats` and stat logger give vllm:lora_requests_info."""
+    names = dict.fromkeys(g.lora_request.lora_name for queue in queues for g in queue if g.lora_request)
+    return ",".join(names)
+
+
 def engine_facts(engine: LLMEngine) -> EngineFacts:
     """What the stub needs to know of a built engine (read where the engine lives)."""
     model = engine.model_config
@@ -62,6 +70,7 @@ def engine_facts(engine: LLMEngine) -> EngineFacts:
         multimodal=bool(getattr(model, "is_multimodal_model", False)),
         num_scheduler_steps=steps,
         attention_kernels=attention_kernels(),
+        max_loras=engine.lora_config.max_loras if engine.lora_config else 0,
     )
 
 
@@ -290,6 +299,8 @@ class EngineLoop:
             running=sum(len(s.running) for s in schedulers),
             waiting=sum(len(s.waiting) + len(s.swapped) for s in schedulers),
             prefix_cache_hit_rate=prefix_cache_hit_rate(schedulers),
+            running_lora_adapters=lora_adapter_names(s.running for s in schedulers),
+            waiting_lora_adapters=lora_adapter_names(s.waiting for s in schedulers),
         )
 
     def _admit_and_abort(self) -> None:

@@ -259,6 +259,7 @@ class ModelServer:
                     facts.max_model_len,
                     instances=config.instance_count(model_config, gpu_count()),
                     caller=self.caller,
+                    max_loras=facts.max_loras,
                 )
             self.heartbeat = self._start_heartbeat(args)
             self.responder = Responder(

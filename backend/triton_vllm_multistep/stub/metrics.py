@@ -152,6 +152,7 @@ class BackendMetrics:
         max_model_len: int,
         instances: int = 1,
         caller: TritonCaller | None = None,
+        max_loras: int = 0,
     ) -> None:
         self._caller = caller or TritonCaller()
         self.instances = instances
@@ -243,6 +244,15 @@ class BackendMetrics:
             "Host seconds per engine step outside the model's forward pass (schedule, sample, pythonize, outputs)",
             STEP_SECONDS_BUCKETS,
         )
+        # vLLM V0's LoRA info gauge (engine/metrics.py): one series per (running adapters, waiting
+        # adapters, max_lora) label set, its value the time it was last current; old series stay, as
+        # in vLLM. The Kubernetes Gateway API Inference Extension routes LoRA traffic on the newest.
+        # Published only with LoRA on (max_loras > 0): Triton's vLLM backend has no such series.
+        self._lora_family = (
+            family("vllm:lora_requests_info", "Running stats on lora requests.", kinds.GAUGE) if max_loras else None
+        )
+        self._lora_labels = {**labels, "max_lora": str(max_loras)}
+        self._lora_series: dict[tuple[str, str], Any] = {}
         self._alive.set(1)
         self._idle_unflushed = False
         # Accumulators: responder thread only, except `_engine_state` (one reference, swapped whole).
@@ -424,3 +434,14 @@ class BackendMetrics:
             used = state.total_blocks - state.free_blocks
             self._usage.set(used / state.total_blocks if state.total_blocks else 0.0)
             self._prefix_hit_rate.set(state.prefix_cache_hit_rate)
+        if state is not None and self._lora_family is not None:
+            self._set_lora_info(state)
+
+    def _set_lora_info(self, state: KvCacheStats) -> None:
+        """The current adapter label set's series to now (vLLM: `set_to_current_time` at each stats log)."""
+        key = (state.running_lora_adapters, state.waiting_lora_adapters)
+        series = self._lora_series.get(key)
+        if series is None:
+            labels = {**self._lora_labels, "running_lora_adapters": key[0], "waiting_lora_adapters": key[1]}
+            series = self._lora_series[key] = self._lora_family.Metric(labels=labels)
+        series.set(time.time())

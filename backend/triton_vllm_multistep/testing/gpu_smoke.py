@@ -6,7 +6,10 @@ engine.factory.build_engine, driven by engine.loop.EngineLoop), then check per-s
 the final output, cancelling mid-window and the first token after an idle period, and report the
 attention backend, CUDA graphs and async output processing vLLM uses. First, the same engine in
 a process of its own (engine.process, the backend's default) streams one request; its tokens must
-be the in-process engine's. `--cpu` runs the same
+be the in-process engine's. Then the engine with num_scheduler_steps 1, also in a process of its
+own, streams the structured-output requests (choice and JSON schema) beside an unconstrained stream:
+the in-process engine must give the same tokens, obeying the constraint, one output per step, the
+unconstrained stream's tokens those it has alone. `--cpu` runs the same
 checks on the CPU engine (what tests/engine/test_gpu_smoke_cpu.py runs). Must not start Triton,
 and refuses to run without a GPU unless `--cpu` is given. Takes well under 10 minutes on one GPU.
 """
@@ -20,6 +23,7 @@ import os
 import queue
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +32,14 @@ from triton_vllm_multistep.testing.pbtxt import pbtxt_string_parameters
 
 NO_GPU_MESSAGE = "no CUDA device: this script is for GPU hosts (--cpu runs the same checks on the CPU engine)"
 WAIT_SECONDS = 120.0  # per wait for an engine event; a healthy engine answers in well under a second
+# Structured output (the README's kinds as clients send them; greedy): bounded so that a small model ends them.
+CHOICES = ["yes", "no", "not sure"]
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}, "certain": {"type": "boolean"}},
+    "required": ["answer", "certain"],
+}
+CONSTRAINED_MAX_TOKENS = 64
 
 
 @dataclass
@@ -51,6 +63,32 @@ class SmokeReport:
         self.checks.append(Check(name, bool(passed), detail))
         print(f"{'PASS' if passed else 'FAIL'}  {name}: {detail}", flush=True)
         return passed
+
+
+@dataclass
+class Stream:
+    """What one request streamed: its per-output token deltas and text, how it ended, and the
+    indices of the engine steps (StepOutputs events) that carried an output of it."""
+
+    deltas: list[list[int]] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    failure: str | None = None
+    steps: set[int] = field(default_factory=set)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [token for delta in self.deltas for token in delta]
+
+    @property
+    def ended(self) -> bool:
+        return self.finished or self.failure is not None
+
+    def outcome(self) -> str:
+        if self.failure is not None:
+            return f"failed: {self.failure}"
+        return f"{len(self.tokens)} tokens, finish {self.finish_reason}, text {self.text!r}"
 
 
 def engine_args_from_config(
@@ -99,11 +137,15 @@ def describe_engine(engine: Any) -> dict[str, Any]:
 
 
 class _Collector:
-    """The loop's sink: every event, with how many execute_model calls the engine had made by then."""
+    """The loop's sink: every event, with how many execute_model calls the engine had made by then
+    (counted for an engine in this process; None: an engine process's events, not counted)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any = None) -> None:
         self.events: queue.Queue[tuple[Any, int]] = queue.Queue()
         self.execute_calls = 0
+        self.step_events = 0  # StepOutputs events read by collect()
+        if engine is None:
+            return
         execute_model = engine.model_executor.execute_model
 
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -140,32 +182,188 @@ class _Collector:
                 return collected
         return collected
 
+    def collect(self, streams: dict[str, Stream], until: Callable[[], bool] | None = None) -> dict[str, Stream]:
+        """Read events into `streams` (by request id) until every stream has ended, or `until()`.
 
-def stream_in_engine_process(engine_args: Any, request_id: str, prompt: list[int], params: Any) -> list[list[int]]:
-    """One streamed request through the engine in a process of its own (the backend's default), as
-    the stub drives it; returns its per-output token deltas. The process exits before this returns,
-    so its device memory is free for the in-process engine."""
-    from triton_vllm_multistep.engine.events import StepOutputs
+        A request the engine fails (RequestFailed: a refusal, a constraint that cannot be built)
+        ends with its message; the engine's death ends every stream with its message; a stream
+        still open after WAIT_SECONDS without an event ends as failed."""
+        from triton_vllm_multistep.engine.events import EngineDied, RequestFailed, StepOutputs
+
+        def done() -> bool:
+            return all(stream.ended for stream in streams.values()) or (until is not None and until())
+
+        deadline = time.monotonic() + WAIT_SECONDS
+        while not done():
+            try:
+                event, _ = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                for stream in streams.values():
+                    if not stream.ended:
+                        stream.failure = f"no output for {WAIT_SECONDS:.0f} s"
+                break
+            deadline = time.monotonic() + WAIT_SECONDS
+            if isinstance(event, RequestFailed) and event.request_id in streams:
+                streams[event.request_id].failure = event.message
+            elif isinstance(event, EngineDied):
+                for stream in streams.values():
+                    if not stream.ended:
+                        stream.failure = event.message
+            elif isinstance(event, StepOutputs):
+                self.step_events += 1
+                for output in event.outputs:
+                    stream = streams.get(output.request_id)
+                    if stream is None:
+                        continue
+                    completion = output.outputs[0]
+                    stream.deltas.append(list(completion.token_ids))
+                    stream.text += completion.text
+                    stream.steps.add(self.step_events)
+                    if output.finished:
+                        stream.finished, stream.finish_reason = True, completion.finish_reason
+        return streams
+
+
+def in_engine_process(engine_args: Any, drive: Callable[[Any, _Collector], Any], **overrides: Any) -> Any:
+    """`drive(runner, collector)` on the engine in a process of its own (the backend's default), as
+    the stub drives it (`overrides`: engine arguments changed). The process exits before this
+    returns, so its device memory is free for the next engine."""
     from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec
 
     values = {item.name: getattr(engine_args, item.name) for item in dataclasses.fields(engine_args)}
-    runner = EngineProcess(EngineSpec(values, "step"))
-    runner.start_engine()
-    events: queue.Queue[Any] = queue.Queue()
-    deltas: list[list[int]] = []
+    runner = EngineProcess(EngineSpec({**values, **overrides}, "step"))
     try:
-        runner.serve(events.put)
-        runner.submit(request_id, prompt, params)
-        while True:
-            event = events.get(timeout=WAIT_SECONDS)
-            if not isinstance(event, StepOutputs):
-                raise RuntimeError(f"the engine process reported {event}")
-            mine = [output for output in event.outputs if output.request_id == request_id]
-            deltas += [list(output.outputs[0].token_ids) for output in mine]
-            if any(output.finished for output in mine):
-                return deltas
+        runner.start_engine()
+        collector = _Collector()
+        runner.serve(collector.sink)
+        return drive(runner, collector)
     finally:
         runner.stop()
+
+
+def stream_in_engine_process(engine_args: Any, request_id: str, prompt: list[int], params: Any) -> Stream:
+    """One streamed request through the engine in a process of its own."""
+
+    def drive(runner: Any, collector: _Collector) -> Stream:
+        runner.submit(request_id, prompt, params)
+        return collector.collect({request_id: Stream()})[request_id]
+
+    return in_engine_process(engine_args, drive)
+
+
+def constrained_requests(max_tokens: int = CONSTRAINED_MAX_TOKENS) -> dict[str, Any]:
+    """The structured-output requests (request id → SamplingParams), as the stub hands them to the
+    engine loop: vLLM's GuidedDecodingParams (backend: the engine's default), streamed, greedy."""
+    from vllm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
+
+    def constrained(**constraint: Any) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            guided_decoding=GuidedDecodingParams(**constraint),
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    return {"structured-choice": constrained(choice=CHOICES), "structured-json": constrained(json=JSON_SCHEMA)}
+
+
+def stream_beside_constrained(loop: Any, collector: _Collector, prompt: list[int], plain: Any) -> dict[str, Stream]:
+    """An unconstrained stream (`plain`), then, once it runs, the structured-output requests beside
+    it, through `loop.submit` (EngineLoop or EngineProcess: the constraint is built off the engine
+    thread, engine/constraints.py); every stream to its end. Keys: request ids, "structured-beside"
+    for the unconstrained one.
+
+    The same constraints go through once first with one token each (the builder loads its
+    tokenizer, the guided-decoding backend compiles and caches the grammars), so that those beside
+    the unconstrained stream join it within a step or two and a short stream outlasts them."""
+    warm_up = {f"{request_id}-warm-up": params for request_id, params in constrained_requests(1).items()}
+    for request_id, params in warm_up.items():
+        loop.submit(request_id, prompt, params)
+    collector.collect({request_id: Stream() for request_id in warm_up})
+    streams = {"structured-beside": Stream()}
+    loop.submit("structured-beside", prompt, plain)
+    collector.collect(streams, until=lambda: bool(streams["structured-beside"].deltas))
+    for request_id, params in constrained_requests().items():
+        streams[request_id] = Stream()
+        loop.submit(request_id, prompt, params)
+    return collector.collect(streams)
+
+
+def single_step_reference(engine_args: Any, prompt: list[int], plain: Any) -> dict[str, Stream]:
+    """`stream_beside_constrained` on the same engine with num_scheduler_steps 1, in a process of its
+    own (exited on return); an engine that cannot be built or run fails every stream with its error."""
+    try:
+        return in_engine_process(
+            engine_args,
+            lambda runner, collector: stream_beside_constrained(runner, collector, prompt, plain),
+            num_scheduler_steps=1,
+        )
+    except Exception as error:
+        failure = f"the num_scheduler_steps 1 engine failed: {type(error).__name__}: {error}"
+        return {request_id: Stream(failure=failure) for request_id in ("structured-beside", *constrained_requests())}
+
+
+def obeys_constraint(request_id: str, stream: Stream) -> bool:
+    """The request ended by its constraint (not max_tokens) and its text is what the constraint allows."""
+    if stream.failure is not None or stream.finish_reason != "stop":
+        return False
+    if request_id == "structured-choice":
+        return stream.text in CHOICES
+    try:
+        document = json.loads(stream.text)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(document, dict) and set(JSON_SCHEMA["required"]) <= set(document)
+
+
+def check_structured_output(
+    report: SmokeReport,
+    streams: dict[str, Stream],
+    reference: dict[str, Stream],
+    alone: list[list[int]],
+) -> None:
+    """The structured-output checks: obeyed, the tokens of num_scheduler_steps 1, one output per
+    step, and the unconstrained stream beside them unchanged (`alone`: its deltas run alone)."""
+    constrained = {request_id: streams[request_id] for request_id in constrained_requests()}
+    report.check(
+        "structured output obeys its constraint (choice, JSON schema)",
+        all(obeys_constraint(request_id, stream) for request_id, stream in constrained.items()),
+        "; ".join(f"{request_id}: {stream.outcome()}" for request_id, stream in constrained.items()),
+    )
+    same = {
+        request_id: stream.failure is None
+        and reference[request_id].failure is None
+        and stream.tokens == reference[request_id].tokens
+        for request_id, stream in constrained.items()
+    }
+    report.check(
+        "structured output gives the tokens of num_scheduler_steps 1",
+        all(same.values()),
+        "; ".join(
+            f"{request_id}: "
+            + (f"{len(stream.tokens)} tokens" if stream.failure is None else f"failed: {stream.failure}")
+            + f", equal={same[request_id]} (steps 1: {reference[request_id].outcome()})"
+            for request_id, stream in constrained.items()
+        ),
+    )
+    report.check(
+        "structured output streams one output per decoded step",
+        all(stream.finished and all(len(d) == 1 for d in stream.deltas) for stream in constrained.values()),
+        "; ".join(
+            f"{request_id}: {len(stream.deltas)} outputs of sizes {sorted({len(d) for d in stream.deltas})}"
+            + (f", failed: {stream.failure}" if stream.failure is not None else "")
+            for request_id, stream in constrained.items()
+        ),
+    )
+    beside = streams["structured-beside"]
+    shared = {request_id: len(stream.steps & beside.steps) for request_id, stream in constrained.items()}
+    report.check(
+        "an unconstrained stream beside structured output streams the steps it has alone",
+        beside.failure is None and beside.deltas == alone and all(shared.values()),
+        f"{len(beside.deltas)} outputs, alone {len(alone)}, equal={beside.deltas == alone}; steps shared with "
+        + ", ".join(f"{request_id} {count}" for request_id, count in shared.items())
+        + (f"; failed: {beside.failure}" if beside.failure is not None else ""),
+    )
 
 
 def run_smoke(engine_args: Any) -> SmokeReport:
@@ -179,13 +377,18 @@ def run_smoke(engine_args: Any) -> SmokeReport:
     report = SmokeReport()
     prompt = [1, 5, 9, 12, 20, 33, 47]
     tokens = 3 * engine_args.num_scheduler_steps + 2  # several windows, one partial
+    # Outlasts the structured-output requests beside it (stream_beside_constrained).
+    beside_tokens = 8 * engine_args.num_scheduler_steps + 2
 
     def params(max_tokens: int, kind: RequestOutputKind = RequestOutputKind.DELTA) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=kind)
 
     started = time.perf_counter()
-    process_deltas = stream_in_engine_process(engine_args, "process-stream", prompt, params(tokens))
+    process_stream = stream_in_engine_process(engine_args, "process-stream", prompt, params(tokens))
     report.figures["engine_process_seconds"] = time.perf_counter() - started
+    started = time.perf_counter()
+    reference = single_step_reference(engine_args, prompt, params(beside_tokens))
+    report.figures["single_step_reference_seconds"] = time.perf_counter() - started
     started = time.perf_counter()
     loop = EngineLoop(lambda: build_engine(engine_args, stream_mode="step"))
     engine = loop.start_engine()
@@ -234,9 +437,10 @@ def run_smoke(engine_args: Any) -> SmokeReport:
         )
         report.check(
             "the engine in a process of its own streams the same steps",
-            process_deltas == deltas,
-            f"{len(process_deltas)} outputs from the engine process, {len(deltas)} in-process, "
-            f"equal={process_deltas == deltas}",
+            process_stream.deltas == deltas,
+            f"{len(process_stream.deltas)} outputs from the engine process, {len(deltas)} in-process, "
+            f"equal={process_stream.deltas == deltas}"
+            + (f"; failed: {process_stream.failure}" if process_stream.failure is not None else ""),
         )
 
         # 3. Cancel mid-window: the engine frees the request's blocks and closes its window.
@@ -267,6 +471,13 @@ def run_smoke(engine_args: Any) -> SmokeReport:
             f"{first[1] - calls_before} execute_model call(s) before the first token; TTFT "
             f"{report.figures['ttft_after_cancel_ms']:.1f} ms (idle engine: {report.figures['ttft_idle_ms']:.1f} ms)",
         )
+
+        # 5. Structured output through the engine loop (constraint built off the engine thread), beside
+        # an unconstrained stream: obeyed, the tokens of steps 1, per step, the other stream unchanged.
+        loop.submit("beside-alone", prompt, params(beside_tokens))
+        alone = collector.collect({"beside-alone": Stream()})["beside-alone"]
+        streams = stream_beside_constrained(loop, collector, prompt, params(beside_tokens))
+        check_structured_output(report, streams, reference, alone.deltas)
     finally:
         loop.stop()
         engine.model_executor.shutdown()
