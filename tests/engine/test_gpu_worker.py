@@ -268,3 +268,30 @@ def test_on_cuda_a_constrained_one_step_window_takes_vllms_single_step_path_and_
 
     with pytest.raises(RuntimeError, match=f"a scheduling window of {STEPS} steps holds a request with logits"):
         runner.prepare_model_input([_metadata("c", STEPS, constrained)])
+
+
+def test_on_cuda_lora_with_multi_step_builds_and_adapter_management_reaches_the_runner_that_owns_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM 0.8.5's MultiStepModelRunner passes only remove_all_loras to its base runner (the owner of
+    the LoRA manager); ours passes add_lora, remove_lora, pin_lora and list_loras too, so that the
+    engine can load each adapter at start (engine/warmup.preload_adapters) under multi-step."""
+    from vllm.lora.request import LoRARequest
+    from vllm.worker.multi_step_model_runner import MultiStepModelRunner
+
+    args, _ = _engine_args(REPOSITORY / "vllm_model" / "config.pbtxt")
+    lora_args = _small(args, enable_lora=True, max_loras=2, max_lora_rank=16)
+    with simulated_cuda():
+        vllm_config = _build_config(monkeypatch, lora_args)
+    assert vllm_config.lora_config is not None and vllm_config.scheduler_config.num_scheduler_steps == STEPS
+    assert "add_lora" not in vars(MultiStepModelRunner)  # vLLM's own would reach a manager that is None
+
+    runner, base = _constrained_runner(monkeypatch)
+    calls: list[tuple[str, Any]] = []
+    base.add_lora = lambda request: calls.append(("add", request.lora_int_id)) or True
+    base.remove_lora = lambda lora_id: calls.append(("remove", lora_id)) or True
+    base.pin_lora = lambda lora_id: calls.append(("pin", lora_id)) or True
+    base.list_loras = lambda: {1, 2}
+    assert runner.add_lora(LoRARequest("doll", 1, "/adapters/doll")) is True
+    assert runner.pin_lora(1) and runner.remove_lora(2) and runner.list_loras() == {1, 2}
+    assert calls == [("add", 1), ("pin", 1), ("remove", 2)]
