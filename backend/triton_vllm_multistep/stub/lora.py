@@ -135,8 +135,13 @@ def _check_shapes(name: str, folder: Path, model_dir: Path | None) -> None:
                 f"{MULTI_LORA_JSON}: adapter {name!r} adapts {module}, which the model {model_dir} does not have "
                 "(an adapter of another model)"
             )
+        if len(target) != 2:
+            raise ConfigError(
+                f"{MULTI_LORA_JSON}: adapter {name!r} adapts {module}, which is not a linear layer of the model "
+                f"{model_dir} (its weight is {target})"
+            )
         # A is (r, in) and B is (out, r) against the base weight's (out, in).
-        fits = len(target) == len(shape) == 2 and (shape[1] == target[1] if part == "lora_A" else shape[0] == target[0])
+        fits = len(shape) == 2 and (shape[1] == target[1] if part == "lora_A" else shape[0] == target[0])
         if not fits:
             layout = "(r, in)" if part == "lora_A" else "(out, r)"
             raise ConfigError(
