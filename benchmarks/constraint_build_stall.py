@@ -18,7 +18,13 @@ os.environ.setdefault("VLLM_USE_V1", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def measure(backend: str, model: str, fields: int) -> tuple[float, float]:
+def wait_until(condition: object, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:  # type: ignore[operator]
+        time.sleep(0.05)
+
+
+def measure(backend: str, model: str, fields: int) -> tuple[float, float, float]:
     from vllm import EngineArgs, SamplingParams
     from vllm.sampling_params import GuidedDecodingParams, RequestOutputKind
 
@@ -30,16 +36,18 @@ def measure(backend: str, model: str, fields: int) -> tuple[float, float]:
     loop = EngineLoop(lambda: build_engine(args, stream_mode="step"))
     loop.start_engine()
     times: list[float] = []
-    loop.serve(
-        lambda event: times.extend(
-            time.perf_counter()
-            for o in getattr(event, "outputs", [])
-            if isinstance(event, StepOutputs) and o.request_id == "plain"
-        )
-    )
+    constrained: list[float] = []
+
+    def sink(event: object) -> None:
+        if isinstance(event, StepOutputs):
+            now = time.perf_counter()
+            for output in event.outputs:
+                (times if output.request_id == "plain" else constrained).append(now)
+
+    loop.serve(sink)
     delta = RequestOutputKind.DELTA
     loop.submit("plain", [1, 2, 3], SamplingParams(max_tokens=1900, ignore_eos=True, temperature=0, output_kind=delta))
-    time.sleep(1.5)
+    wait_until(lambda: len(times) >= 30, 300)  # the stream runs steadily (a loaded host starts slowly)
     schema = {
         "type": "object",
         "properties": {f"f{i}": {"type": "string"} if i % 2 else {"type": "integer"} for i in range(fields)},
@@ -48,12 +56,15 @@ def measure(backend: str, model: str, fields: int) -> tuple[float, float]:
     submitted = time.perf_counter()
     guided = GuidedDecodingParams(json=schema, backend=backend)
     loop.submit("g", [1, 5, 9], SamplingParams(max_tokens=8, guided_decoding=guided, output_kind=delta))
-    time.sleep(4)
+    wait_until(lambda: bool(constrained), 300)
+    built = constrained[0] - submitted
+    count = len(times)
+    wait_until(lambda: len(times) >= count + 20, 300)
     loop.shutdown()
     gaps = list(itertools.pairwise(times))
     before = sorted(b - a for a, b in gaps if b < submitted)
     during = [b - a for a, b in gaps if b >= submitted]
-    return before[len(before) // 2], max(during)
+    return before[len(before) // 2], max(during), built
 
 
 def main() -> None:
@@ -63,8 +74,11 @@ def main() -> None:
     parser.add_argument("--fields", type=int, default=12, help="properties of the JSON schema")
     args = parser.parse_args()
     for backend in args.backends:
-        median, longest = measure(backend, args.model, args.fields)
-        print(f"{backend:20s} median step gap {1000 * median:6.1f} ms, longest while building {1000 * longest:7.1f} ms")
+        median, longest, built = measure(backend, args.model, args.fields)
+        print(
+            f"{backend:20s} median step gap {1000 * median:6.1f} ms, longest while building {1000 * longest:7.1f} ms, "
+            f"submit to first constrained token {1000 * built:7.1f} ms"
+        )
 
 
 if __name__ == "__main__":
