@@ -224,18 +224,24 @@ def _write_model(spec: DemoSpec, folder: Path, vocab_size: int) -> None:
 
 
 def all_names() -> list[str]:
-    """Every demo model: the tiny random-weight ones and the real one (demo/smollm2.py)."""
-    from triton_vllm_multistep.demo import smollm2
+    """Every demo model: the tiny random-weight ones, the real one, then its LoRA adapters (trained on it)."""
+    from triton_vllm_multistep.demo import smollm2, smollm2_adapters
 
-    return [*sorted(DEMO_MODELS), smollm2.NAME]
+    return [*sorted(DEMO_MODELS), smollm2.NAME, smollm2_adapters.NAME]
 
 
 def build(name: str, root: Path | None = None, force: bool = False) -> Path:
-    """Build demo model `name` under `root` (default: the cache) unless present; return its folder."""
-    from triton_vllm_multistep.demo import smollm2
+    """Build demo model `name` under `root` (default: the cache) unless present; return its folder.
+
+    For the SmolLM2 adapters (demo/smollm2_adapters.py) that is the folder of one folder per adapter.
+    """
+    from triton_vllm_multistep.demo import smollm2, smollm2_adapters
 
     if name == smollm2.NAME:
         return smollm2.build(root or cache_root(), force=force)
+    if name == smollm2_adapters.NAME:
+        smollm2_adapters.build(root or cache_root(), force=force)
+        return smollm2_adapters.target_of(root or cache_root())
     spec = DEMO_MODELS.get(name)
     if spec is None:
         raise ValueError(f"unknown demo model {name!r}; known: {', '.join(all_names())}")
