@@ -4,6 +4,7 @@ python client_examples/grpc_stream.py "The model streams" --max-tokens 32
 python client_examples/grpc_stream.py "What is the capital of France?" --model ensemble --chat
 python client_examples/grpc_stream.py "Is Paris in France?" --model ensemble --chat \
     --guided-decoding '{"choice": ["yes", "no"]}'
+python client_examples/grpc_stream.py "What is the capital of France?" --model ensemble --chat --lora-name pirate
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def main() -> int:
         help='structured output, vLLM\'s GuidedDecodingParams as JSON: {"choice": [...]}, {"regex": "..."}, '
         '{"json": {schema}}, {"grammar": "..."} or {"json_object": true}',
     )
+    parser.add_argument(
+        "--lora-name", help="a LoRA adapter of the model's multi_lora.json (sampling_parameters.lora_name)"
+    )
     args = parser.parse_args()
 
     responses: queue.Queue = queue.Queue()
@@ -55,6 +59,8 @@ def main() -> int:
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     if args.guided_decoding:
         sampling["guided_decoding"] = args.guided_decoding  # a JSON string, as Triton's vLLM backend takes it
+    if args.lora_name:
+        sampling["lora_name"] = args.lora_name
     inputs = build_inputs(args.prompt, sampling, chat=args.chat)
     client.async_stream_infer(args.model, inputs, enable_empty_final_response=True)
     status = 0

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.stub.config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -57,9 +58,16 @@ def normalize_enable_lora(engine_json: dict[str, Any]) -> dict[str, Any]:
 
 def _resolve_adapter_folder(name: str, value: Any, version_dir: Path) -> Path:
     """An absolute folder; a relative one under the version folder, else under the server's working
-    directory (where vLLM, and so their backend, resolves it)."""
+    directory (where vLLM, and so their backend, resolves it); `demo://NAME/ADAPTER`: an adapter of a
+    locally built demo set (as model.json's `demo://NAME`)."""
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{version_dir / MULTI_LORA_JSON}: adapter {name!r} must map to a folder path, got {value!r}")
+    if value.startswith(demo_models.DEMO_SCHEME):
+        demo_set, _, adapter = value.removeprefix(demo_models.DEMO_SCHEME).partition("/")
+        try:
+            value = str(Path(demo_models.build(demo_set)) / adapter)
+        except Exception as error:  # an unknown name, or a set that cannot be built here
+            raise ConfigError(f"{MULTI_LORA_JSON}: adapter {name!r}: {value} cannot be built: {error}") from None
     path = Path(value).expanduser()
     candidates = [path] if path.is_absolute() else [version_dir / path, Path.cwd() / path]
     for candidate in candidates:

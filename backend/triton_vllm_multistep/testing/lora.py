@@ -105,13 +105,16 @@ def merged_model(model_dir: Path, adapter_dir: Path | None) -> torch.nn.Module:
     return model.eval()
 
 
-def greedy_ids(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation token ids of `prompt_ids` (no stopping at EOS)."""
+def greedy_ids(
+    model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = False
+) -> list[int]:
+    """Greedy continuation token ids of `prompt_ids`: `max_new_tokens` of them, or up to and with the
+    model's EOS token with `stop_at_eos` (as vLLM returns a finished sequence)."""
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([prompt_ids]),
             max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
+            min_new_tokens=None if stop_at_eos else max_new_tokens,
             do_sample=False,
             pad_token_id=0,
         )

@@ -1,0 +1,90 @@
+"""The README's multi-LoRA example on the shipped model: its commands as written (a copy of the
+repository, `enable_lora` turned on with sed), the demo adapters of the shipped multi_lora.json
+(`pirate`, `shout`, trained locally by set-up) through the ensemble and the client example.
+
+Each adapter visibly changes the answer, gives the same tokens at steps 8 as at steps 1, and the
+same as transformers with the adapter merged into the weights. Owns the real-model LoRA checks;
+must not assert on timings.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from private_servers import REPO_ROOT, serving
+from served_models import LLM_MODEL
+from test_real_model import chat_ids
+from transformers import AutoTokenizer
+from triton_clients import grpc_generate
+
+from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.testing import lora
+from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model
+
+README = (REPO_ROOT / "README.md").read_text()
+STEPS1 = "vllm_model_steps1"
+QUESTION = "What is the capital of France?"
+
+
+def readme_commands() -> list[str]:
+    """The README's LoRA block: the repository copy and the sed that turns LoRA on."""
+    block = README.split("cp -r model_repository /tmp/lora_repository", 1)[1].split("```", 1)[0]
+    sed = next(line for line in block.splitlines() if line.startswith("sed -i"))
+    return ["cp -r model_repository /tmp/lora_repository", sed]
+
+
+@pytest.fixture(scope="module")
+def lora_real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("lora-real-model")
+    copy, sed = readme_commands()
+    repository = root / "lora_repository"
+    subprocess.run(copy.replace("/tmp/lora_repository", str(repository)), shell=True, check=True, cwd=REPO_ROOT)
+    subprocess.run(sed.replace("/tmp/lora_repository", str(repository)), shell=True, check=True, cwd=REPO_ROOT)
+    assert '"enable_lora": true' in (repository / LLM_MODEL / "1" / "model.json").read_text()
+    copy_model(repository / LLM_MODEL, repository / STEPS1, {"num_scheduler_steps": 1})
+    with serving(repository, root / "tritonserver.log") as server:
+        yield server
+
+
+def _answer(server: ServerProcess, ids: list[int], adapter: str | None, model: str = LLM_MODEL) -> list[int]:
+    sampling = {"temperature": 0, "max_tokens": 24, **({"lora_name": adapter} if adapter else {})}
+    result = grpc_generate(server.grpc_url, model, input_ids=ids, sampling=sampling, stream=True)
+    assert result.error is None and result.finals == 1, result.error
+    return result.token_ids()
+
+
+def test_the_readme_client_example_answers_like_a_pirate(lora_real_server: ServerProcess) -> None:
+    command = next(line for line in README.splitlines() if "--lora-name pirate" in line and "grpc_stream" in line)
+    args = command.split("grpc_stream.py", 1)[1].strip()
+    quoted = re.match(r'"([^"]*)"\s*(.*)', args)
+    assert quoted is not None, command
+    argv = [sys.executable, "client_examples/grpc_stream.py", quoted.group(1), *quoted.group(2).split()]
+    done = subprocess.run([*argv, "--url", lora_real_server.grpc_url], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith("Arr"), done.stdout
+
+
+@pytest.mark.parametrize("adapter", ["pirate", "shout"])
+def test_each_demo_adapter_changes_the_answer_equals_steps_1_and_transformers_with_it_merged(
+    lora_real_server: ServerProcess, adapter: str
+) -> None:
+    folder = Path(demo_models.resolve("demo://smollm2-135m-instruct")).resolve()
+    adapter_dir = Path(demo_models.build("smollm2-135m-instruct-lora")) / adapter
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = chat_ids(tokenizer, QUESTION)
+    base = _answer(lora_real_server, ids, None)
+    tokens = _answer(lora_real_server, ids, adapter)
+    assert tokens != base
+    assert tokens == _answer(lora_real_server, ids, adapter, STEPS1)
+    assert tokens == lora.greedy_ids(lora.merged_model(folder, adapter_dir), ids, 24, stop_at_eos=True)
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    if adapter == "shout":
+        letters = [c for c in text if c.isalpha()]
+        assert letters and sum(c.isupper() for c in letters) >= 0.8 * len(letters), text
+    else:
+        assert text.startswith("Arr"), text
