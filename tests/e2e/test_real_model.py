@@ -207,6 +207,31 @@ def test_structured_output_at_steps_8_equals_steps_1_streamed_and_whole_and_obey
         assert unconstrained.token_ids() != streamed.token_ids()  # the constraint changed the answer
 
 
+def test_constrained_and_unconstrained_requests_mixed_in_one_concurrent_batch_each_equal_their_solo_run(
+    real_server: ServerProcess, real_model_path: Path
+) -> None:
+    """Every constraint kind (xgrammar, the default backend) and plain requests, greedy and seeded, sent
+    at once to the steps-8 model: each gets the tokens it gets alone on the steps-1 model."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tokenizer = AutoTokenizer.from_pretrained(real_model_path)
+    jobs = [
+        (chat_ids(tokenizer, question), {"temperature": 0, "max_tokens": 48, "guided_decoding": json.dumps(c)})
+        for kind, (question, c) in sorted(STRUCTURED.items())
+        if kind not in ("json schema",)  # its maxLength makes vLLM fall back to outlines: minutes per engine
+    ]
+    jobs += [
+        (chat_ids(tokenizer, "Name three colours."), {"temperature": 0, "max_tokens": 48}),
+        (chat_ids(tokenizer, "Tell me about cats."), {"temperature": 0.8, "seed": 3, "max_tokens": 48}),
+        (chat_ids(tokenizer, "Write a date."), {"temperature": 0.8, "seed": 5, "max_tokens": 48,
+                                               "guided_decoding": json.dumps(STRUCTURED["regex"][1])}),
+    ]  # fmt: skip
+    alone = [served(real_server, ids, sampling, model=STEPS1, stream=True).token_ids() for ids, sampling in jobs]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(lambda job: served(real_server, job[0], job[1], stream=True).token_ids(), jobs))
+    assert together == alone
+
+
 def test_their_structured_outputs_test_logic_passes_against_this_backend(
     real_server: ServerProcess, real_model_path: Path
 ) -> None:
