@@ -91,7 +91,7 @@ class _RecordingEngine:
             shutdown=lambda: self.calls.append("shutdown"),
         )
 
-    def add_request(self, request_id: str, *_: object) -> None:
+    def add_request(self, request_id: str, *_: object, **__: object) -> None:
         self.calls.append(f"add_request {request_id}")
         self._unfinished.append(request_id)
 
