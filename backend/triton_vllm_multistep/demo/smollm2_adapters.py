@@ -22,7 +22,6 @@ it), and must not be imported by serving code: it imports torch, transformers an
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import random
 import re
@@ -140,16 +139,8 @@ def cache_problem(target: Path) -> str | None:
     return f"{target}: not built by recipe {RECIPE_VERSION}, or changed since"
 
 
-@contextlib.contextmanager
-def _build_lock(target: Path) -> Iterator[None]:
-    """One trainer per machine at a time."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with (target.parent / f".{target.name}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+# One trainer per machine at a time: the same file lock as the base model's converter.
+_build_lock = smollm2._build_lock
 
 
 @contextlib.contextmanager
