@@ -1,12 +1,18 @@
 """scripts/gpu_smoke.sh's checks, run here on the CPU engine (`--cpu`): the same code path users
 run on a GPU host, minus CUDA (structured output included); its refusal to run without a GPU; and
-an engine's refusal of structured output failing the structured-output checks with its words."""
+an engine's refusal of structured output failing the structured-output checks with its words.
+The LoRA section runs by itself (`--only lora`), with two adapters constructed for the shipped model;
+models it cannot construct adapters for skip its checks, saying why, and never pass."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 os.environ["VLLM_USE_V1"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -39,7 +45,7 @@ def test_config_parameters_are_read_as_tritons_parser_reads_them() -> None:
 def test_every_smoke_check_passes_on_the_cpu_engine_from_the_shipped_cpu_config(tmp_path: Path) -> None:
     engine_args, settings = gpu_smoke.engine_args_from_config(SHIPPED_MODEL, SHIPPED_MODEL / "configs" / "cpu.pbtxt")
     assert engine_args.dtype == "float32" and settings.stream_mode == "step"
-    report = gpu_smoke.run_smoke(engine_args)
+    report = gpu_smoke.run_smoke(engine_args, sections=("engine",))  # LoRA: its own test below
     assert [c.name for c in report.checks if not c.passed] == []
     assert len(report.checks) == 12
     structured = [c for c in report.checks if "structured output" in c.name]
@@ -86,3 +92,120 @@ def test_constrained_output_is_judged_by_its_constraint() -> None:
     assert gpu_smoke.obeys_constraint("structured-json", stream('{"answer": "no", "certain": false}'))
     assert not gpu_smoke.obeys_constraint("structured-json", stream('{"answer": "no"}'))  # a required key missing
     assert not gpu_smoke.obeys_constraint("structured-json", stream('{"answer": "no", "cert', "length"))
+
+
+def test_the_lora_checks_pass_on_their_own_with_two_adapters_constructed_for_the_shipped_model(tmp_path: Path) -> None:
+    """`--only lora --cpu`: base + two adapters mixed in one batch = alone = num_scheduler_steps 1, the
+    adapters change the answer, and (SmolLM2-135M, small enough) = transformers with the adapter merged."""
+    report_file = tmp_path / "report.json"
+    code = gpu_smoke.main(["--cpu", "--only", "lora", "--model-dir", str(SHIPPED_MODEL), "--json", str(report_file)])
+    report = json.loads(report_file.read_text())
+    checks = {check["name"]: check for check in report["checks"]}
+    assert list(checks) == list(gpu_smoke.LORA_CHECKS)
+    assert [name for name, check in checks.items() if not check["passed"] or check["skipped"]] == [], checks
+    assert code == 0
+    mixed, steps1, changed, merged = (checks[name]["detail"] for name in gpu_smoke.LORA_CHECKS)
+    for request_id in ("lora-base", "lora-smoke-attention", "lora-smoke-mlp"):
+        assert f"{request_id}: 12 tokens, equal alone=True" in mixed
+        assert f"{request_id}: 12 tokens, equal=True" in steps1
+        assert f"{request_id}: 12 tokens equal" in merged
+    assert changed.count("changed=True") == 2
+    assert report["engine"]["lora"]["max_loras"] == 2 and report["engine"]["lora"]["max_lora_rank"] == 8
+    assert report["engine"]["num_scheduler_steps"] == 8 and "lora_transformers_seconds" in report["figures"]
+
+
+def _lora_skips(model: str) -> gpu_smoke.SmokeReport:
+    report = gpu_smoke.SmokeReport()
+    gpu_smoke.run_lora_checks(report, SimpleNamespace(model=model))
+    return report
+
+
+def test_the_lora_checks_are_skipped_with_the_reason_for_models_adapters_cannot_be_constructed_for(
+    tmp_path: Path,
+) -> None:
+    """A hub id (no local folder) and a model whose config lacks the Llama fields: every LoRA check is
+    reported skipped with the reason (not passed), and a report of skipped checks only does not pass."""
+    gpt2 = tmp_path / "gpt2-like"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2}))
+    for model, reason in [
+        ("some-org/some-model", "has no local folder"),
+        (str(gpt2), "not a Llama-style model (GPT2LMHeadModel): its config.json lacks hidden_size"),
+    ]:
+        report = _lora_skips(model)
+        assert [c.name for c in report.checks] == list(gpu_smoke.LORA_CHECKS)
+        assert all(c.skipped and not c.passed and reason in c.detail for c in report.checks), report.checks
+        assert all("--lora-adapters name=path,name=path" in c.detail for c in report.checks)
+        assert not report.passed and report.ran == []
+    report = gpu_smoke.SmokeReport()
+    report.check("ran", True, "")
+    report.skip("could not run", "why")
+    assert report.passed and [c.name for c in report.skipped] == ["could not run"]
+
+
+def test_lora_adapters_option_names_each_folder(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text("{}")
+    assert gpu_smoke.parse_lora_adapters(f"x={tmp_path / 'a'}, y={tmp_path / 'b'}") == [
+        ("x", tmp_path / "a"),
+        ("y", tmp_path / "b"),
+    ]
+    for text, message in [
+        (f"x={tmp_path / 'a'},x={tmp_path / 'b'}", "given twice"),
+        (str(tmp_path / "a"), "is not name=path"),
+        (f"x={tmp_path}", "no adapter_config.json"),
+        (",", "names no adapter"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            gpu_smoke.parse_lora_adapters(text)
+    with pytest.raises(SystemExit) as exited:
+        gpu_smoke.main(["--cpu", "--lora-adapters", "nonsense"])
+    assert exited.value.code == 2
+
+
+def test_the_merged_reference_is_skipped_with_the_reason_when_it_cannot_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from triton_vllm_multistep.demo import models as demo_models
+    from triton_vllm_multistep.testing import lora
+
+    model_dir = demo_models.build("tiny-llama-bpe")
+    adapter = lora.write_adapter(model_dir, tmp_path / "plain", seed=1)
+    assert gpu_smoke.no_constructed_adapters(str(model_dir), model_dir) is None
+    assert gpu_smoke.no_merged_reference(model_dir, [("plain", adapter)], "auto") is None
+    assert gpu_smoke.no_merged_reference(model_dir, [("plain", adapter)], "off") == "--lora-transformers off"
+    assert "no local folder" in gpu_smoke.no_merged_reference(None, [("plain", adapter)], "on")
+    dora = lora.write_adapter(model_dir, tmp_path / "dora", seed=2)
+    (dora / "adapter_config.json").write_text(
+        json.dumps({**json.loads((dora / "adapter_config.json").read_text()), "use_dora": True})
+    )
+    assert "adapter dora: use_dora" in gpu_smoke.no_merged_reference(model_dir, [("dora", dora)], "auto")
+    monkeypatch.setattr(gpu_smoke, "TRANSFORMERS_MAX_PARAMS", 1000)
+    assert "too large to run in transformers on the host" in gpu_smoke.no_merged_reference(
+        model_dir, [("plain", adapter)], "auto"
+    )
+    assert gpu_smoke.no_merged_reference(model_dir, [("plain", adapter)], "on") is None
+
+
+def test_the_merged_reference_is_exact_for_float32_and_allows_only_near_ties_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A float32 engine must give transformers' greedy tokens; a bfloat16/float16 one may part from them
+    only where its token is within NEAR_TIE_NATS of the merged model's best."""
+    from triton_vllm_multistep.demo import models as demo_models
+    from triton_vllm_multistep.testing import lora
+
+    model_dir = demo_models.build("tiny-llama-bpe")
+    adapter = lora.write_adapter(model_dir, tmp_path / "a", seed=1)
+    prompt = list(gpu_smoke.PROMPT)
+    expected = lora.greedy_ids(lora.merged_model(model_dir, adapter), prompt, 6)
+    assert gpu_smoke.merged_verdict(model_dir, adapter, prompt, expected, exact=True) == (True, "6 tokens equal")
+    other = [*expected[:5], (expected[5] + 1) % 100]
+    ok, detail = gpu_smoke.merged_verdict(model_dir, adapter, prompt, other, exact=True)
+    assert not ok and detail.startswith("differ from token 5")
+    monkeypatch.setattr(gpu_smoke, "NEAR_TIE_NATS", 1e9)
+    ok, detail = gpu_smoke.merged_verdict(model_dir, adapter, prompt, other, exact=False)
+    assert ok and "nats of the merged model's best" in detail
+    monkeypatch.setattr(gpu_smoke, "NEAR_TIE_NATS", 0.0)
+    assert not gpu_smoke.merged_verdict(model_dir, adapter, prompt, other, exact=False)[0]

@@ -9,7 +9,12 @@ a process of its own (engine.process, the backend's default) streams one request
 be the in-process engine's. Then the engine with num_scheduler_steps 1, also in a process of its
 own, streams the structured-output requests (choice and JSON schema) beside an unconstrained stream:
 the in-process engine must give the same tokens, obeying the constraint, one output per step, the
-unconstrained stream's tokens those it has alone. `--cpu` runs the same
+unconstrained stream's tokens those it has alone. Last (section "lora", `--only lora` runs it
+alone), multi-LoRA: the engine with enable_lora and two adapters (constructed for a Llama-style local
+model by testing/lora.py, or the user's with --lora-adapters) runs the base and the adapters in one
+batch: each must give its tokens alone and those of num_scheduler_steps 1, the adapters must change
+the answer, and (models small enough for transformers on the host) equal the merged-weights
+reference; checks that cannot run are reported skipped, with the reason. `--cpu` runs the same
 checks on the CPU engine (what tests/engine/test_gpu_smoke_cpu.py runs). Must not start Triton,
 and refuses to run without a GPU unless `--cpu` is given. Takes well under 10 minutes on one GPU.
 """
@@ -19,11 +24,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import queue
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,13 +47,42 @@ JSON_SCHEMA = {
     "required": ["answer", "certain"],
 }
 CONSTRAINED_MAX_TOKENS = 64
+PROMPT = [1, 5, 9, 12, 20, 33, 47]  # token ids: every model has them
+SECTIONS = ("engine", "lora")  # --only chooses one
+# Multi-LoRA: the four checks (each passed, failed or skipped with its reason), the adapters constructed
+# for a Llama-style model under test (name → seed, target modules; testing/lora.write_adapter), the
+# config fields that needs, vLLM 0.8.5's allowed max_lora_rank values.
+LORA_CHECKS = (
+    "LoRA: base and adapters mixed in one batch each give their tokens alone",
+    "LoRA: base and adapters mixed give the tokens of num_scheduler_steps 1",
+    "LoRA: each adapter changes the base model's answer",
+    "LoRA: greedy tokens equal transformers with the adapter merged into the weights",
+)
+LORA_RANK = 8
+CONSTRUCTED_ADAPTERS = {
+    "smoke-attention": (1, ("q_proj", "k_proj", "v_proj", "o_proj")),
+    "smoke-mlp": (2, ("gate_proj", "up_proj", "down_proj", "q_proj")),
+}
+LLAMA_CONFIG_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+)
+LORA_MAX_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+TRANSFORMERS_MAX_PARAMS = 2_000_000_000  # the merged-weights reference runs in float32 on the host below this
+NEAR_TIE_NATS = 0.5  # a bfloat16/float16 engine against the float32 reference: what counts as a near-tie
 
 
 @dataclass
 class Check:
+    """One check's outcome; a skipped check (could not run here, `detail` says why) is not passed."""
+
     name: str
     passed: bool
     detail: str
+    skipped: bool = False
 
 
 @dataclass
@@ -56,13 +92,26 @@ class SmokeReport:
     figures: dict[str, float] = field(default_factory=dict)
 
     @property
+    def ran(self) -> list[Check]:
+        return [check for check in self.checks if not check.skipped]
+
+    @property
+    def skipped(self) -> list[Check]:
+        return [check for check in self.checks if check.skipped]
+
+    @property
     def passed(self) -> bool:
-        return bool(self.checks) and all(check.passed for check in self.checks)
+        """At least one check ran, and every check that ran passed (skipped ones are reported as such)."""
+        return bool(self.ran) and all(check.passed for check in self.ran)
 
     def check(self, name: str, passed: bool, detail: str) -> bool:
         self.checks.append(Check(name, bool(passed), detail))
         print(f"{'PASS' if passed else 'FAIL'}  {name}: {detail}", flush=True)
         return passed
+
+    def skip(self, name: str, reason: str) -> None:
+        self.checks.append(Check(name, False, reason, skipped=True))
+        print(f"SKIP  {name}: {reason}", flush=True)
 
 
 @dataclass
@@ -224,17 +273,28 @@ class _Collector:
         return streams
 
 
-def in_engine_process(engine_args: Any, drive: Callable[[Any, _Collector], Any], **overrides: Any) -> Any:
+def in_engine_process(
+    engine_args: Any,
+    drive: Callable[[Any, _Collector], Any],
+    *,
+    lora_adapters: tuple[tuple[str, int, str], ...] = (),
+    before_serve: Callable[[Any], None] | None = None,
+    **overrides: Any,
+) -> Any:
     """`drive(runner, collector)` on the engine in a process of its own (the backend's default), as
-    the stub drives it (`overrides`: engine arguments changed). The process exits before this
-    returns, so its device memory is free for the next engine."""
+    the stub drives it (`overrides`: engine arguments changed; `lora_adapters`: (name, lora_int_id,
+    path) loaded at start, as multi_lora.json's are; `before_serve(runner)`: requests queued before
+    the engine steps, so that they start in one batch). The process exits before this returns, so
+    its device memory is free for the next engine."""
     from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec
 
     values = {item.name: getattr(engine_args, item.name) for item in dataclasses.fields(engine_args)}
-    runner = EngineProcess(EngineSpec({**values, **overrides}, "step"))
+    runner = EngineProcess(EngineSpec({**values, **overrides}, "step", lora_adapters=lora_adapters))
     try:
         runner.start_engine()
         collector = _Collector()
+        if before_serve is not None:
+            before_serve(runner)
         runner.serve(collector.sink)
         return drive(runner, collector)
     finally:
@@ -366,16 +426,411 @@ def check_structured_output(
     )
 
 
-def run_smoke(engine_args: Any) -> SmokeReport:
-    """Build the engine as the backend does and run every check; the report says what passed."""
+def smoke_loop(build: Callable[[], Any], user_threads: dict[str, str | None] | None = None) -> Any:
+    """An EngineLoop building its engine with `build`, running it with the served engine's torch thread
+    count (engine/factory.serving_torch_threads, as engine/loop.serving_loop applies it: on a CPU host
+    all cores but one for a small model; torch's own count on GPU hosts or when the user chose one in
+    `user_threads`, what factory.thread_choice_of_user() read before any engine was built here)."""
+    from triton_vllm_multistep.engine.factory import serving_torch_threads, thread_choice_of_user
+    from triton_vllm_multistep.engine.loop import EngineLoop, model_parameters
+
+    chosen = thread_choice_of_user() if user_threads is None else user_threads
+    return EngineLoop(build, lambda engine: serving_torch_threads(model_parameters(engine), chosen))
+
+
+# --- Multi-LoRA (section "lora") ------------------------------------------------------------------
+
+
+def parse_lora_adapters(text: str) -> list[tuple[str, Path]]:
+    """`--lora-adapters name=path,name=path`: (name, folder) of each, in order; ValueError naming
+    what is wrong (a folder without adapter_config.json is not a PEFT adapter)."""
+    adapters: list[tuple[str, Path]] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, separator, folder = item.partition("=")
+        name, folder = name.strip(), folder.strip()
+        if not separator or not name or not folder:
+            raise ValueError(f"--lora-adapters: {item!r} is not name=path")
+        if name in (existing for existing, _ in adapters):
+            raise ValueError(f"--lora-adapters: the name {name!r} is given twice")
+        path = Path(folder).expanduser().resolve()
+        if not (path / "adapter_config.json").is_file():
+            raise ValueError(f"--lora-adapters: {name}: {path} has no adapter_config.json (not a PEFT adapter folder)")
+        adapters.append((name, path))
+    if not adapters:
+        raise ValueError("--lora-adapters names no adapter (name=path,name=path)")
+    return adapters
+
+
+def _adapter_config(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / "adapter_config.json").read_text())
+
+
+def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name → shape of the model's safetensors checkpoint, from the files' headers only."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                shapes[key] = tuple(handle.get_slice(key).get_shape())
+    return shapes
+
+
+def no_constructed_adapters(model: str, model_dir: Path | None) -> str | None:
+    """Why testing/lora.write_adapter cannot construct adapters for the model under test (None: it can)."""
+    from triton_vllm_multistep.testing import lora
+
+    bring = "; bring adapters of the model with --lora-adapters name=path,name=path"
+    if model_dir is None:
+        return f"the model {model!r} has no local folder to construct adapters from{bring}"
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        return f"{model_dir} has no config.json to construct adapters from{bring}"
+    config = json.loads(config_file.read_text())
+    missing = [name for name in LLAMA_CONFIG_FIELDS if not isinstance(config.get(name), int)]
+    if missing:
+        return (
+            f"not a Llama-style model ({', '.join(config.get('architectures') or ['no architectures'])}): its "
+            f"config.json lacks {', '.join(missing)}, which constructed adapters need{bring}"
+        )
+    shapes = _checkpoint_shapes(model_dir)
+    if not shapes:
+        return f"{model_dir} has no safetensors checkpoint to check constructed adapters against{bring}"
+    weights = [
+        f"model.layers.0.{'self_attn' if name in lora.ATTENTION else 'mlp'}.{name}.weight"
+        for name in (*lora.ATTENTION, *lora.MLP)
+    ]
+    absent = [weight for weight in weights if weight not in shapes]
+    if absent:
+        return f"not a Llama-style checkpoint: {model_dir} has no {', '.join(absent)}{bring}"
+    return None
+
+
+def no_merged_reference(model_dir: Path | None, adapters: Sequence[tuple[str, Path]], choice: str) -> str | None:
+    """Why the transformers reference with each adapter merged (testing/lora.merged_model) cannot run
+    here (None: it can). `choice`: --lora-transformers (auto: models below TRANSFORMERS_MAX_PARAMS)."""
+    if choice == "off":
+        return "--lora-transformers off"
+    if model_dir is None:
+        return "the model has no local folder for transformers to load"
+    if not (model_dir / "model.safetensors").is_file():
+        return f"the merged reference reads one model.safetensors, which {model_dir} does not have (sharded or .bin)"
+    for name, folder in adapters:
+        config = _adapter_config(folder)
+        unusual = [key for key in ("use_dora", "use_rslora", "modules_to_save") if config.get(key)]
+        if unusual or not (folder / "adapter_model.safetensors").is_file():
+            what = ", ".join(unusual) or "no adapter_model.safetensors"
+            return f"adapter {name}: {what} (the merged reference merges plain LoRA pairs, W + alpha/r * B @ A)"
+    parameters = sum(math.prod(shape) for shape in _checkpoint_shapes(model_dir).values())
+    if choice == "auto" and parameters >= TRANSFORMERS_MAX_PARAMS:
+        return (
+            f"{parameters / 1e9:.1f}B parameters: too large to run in transformers on the host (auto runs models "
+            f"below {TRANSFORMERS_MAX_PARAMS / 1e9:.0f}B; --lora-transformers on runs it anyway)"
+        )
+    return None
+
+
+def merged_verdict(
+    model_dir: Path, adapter_dir: Path | None, prompt: list[int], tokens: list[int], exact: bool
+) -> tuple[bool, str]:
+    """Whether the engine's greedy `tokens` are transformers' (float32, on the host) with `adapter_dir`
+    merged into the weights. `exact` (a float32 engine): token for token. Otherwise (bfloat16/float16
+    kernels against float32) equal tokens pass, and where they part, every engine token must be a near-tie
+    of the merged model's best along the engine's own sequence (within NEAR_TIE_NATS of its log-probability)."""
+    import torch
+
+    from triton_vllm_multistep.testing import lora
+
+    model = lora.merged_model(model_dir, adapter_dir)
+    expected = lora.greedy_ids(model, prompt, len(tokens))
+    if tokens == expected:
+        return True, f"{len(tokens)} tokens equal"
+    first = next((i for i, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b), len(expected))
+    differ = (
+        f"differ from token {first} (engine {tokens[first : first + 4]}, transformers {expected[first : first + 4]})"
+    )
+    if exact or not tokens:
+        return False, differ
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
+    logprobs = logits.double().log_softmax(-1)
+    gaps = (logprobs.max(-1).values - logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]).tolist()
+    worst = max(gaps)
+    return worst <= NEAR_TIE_NATS, (
+        f"{differ}; along the engine's tokens each is within {worst:.3f} nats of the merged model's best "
+        f"(near-tie limit {NEAR_TIE_NATS} for a non-float32 engine)"
+    )
+
+
+def _lora_requests(adapters: Sequence[tuple[str, int, str]]) -> dict[str, Any]:
+    """Request id → LoRARequest (None: the base model): the base first, then each adapter."""
+    from vllm.lora.request import LoRARequest
+
+    return {"lora-base": None, **{f"lora-{name}": LoRARequest(name, id_, path) for name, id_, path in adapters}}
+
+
+def _submit_each(runner: Any, requests: dict[str, Any], prompt: list[int], params: Callable[[], Any]) -> None:
+    for request_id, lora_request in requests.items():
+        runner.submit(request_id, prompt, params(), lora_request)
+
+
+def run_lora_checks(
+    report: SmokeReport,
+    engine_args: Any,
+    lora_adapters: Sequence[tuple[str, Path]] | None = None,
+    transformers: str = "auto",
+    user_threads: dict[str, str | None] | None = None,
+) -> None:
+    """The LoRA section: two adapters constructed for the model under test (testing/lora.write_adapter,
+    a Llama-style local model; else the checks are skipped, saying why) or the user's (`lora_adapters`),
+    the engine built with enable_lora as the engine section builds it and the adapters loaded as the
+    backend loads multi_lora.json's (engine/warmup.preload_adapters). Checks: the base and the adapters
+    mixed in one batch (greedy, queued before the engine steps) each give their tokens alone; the
+    tokens of the same engine at num_scheduler_steps 1 (in a process of its own, run first); each
+    adapter changes the base model's answer; the tokens of transformers with the adapter merged
+    (`transformers`: auto for models below TRANSFORMERS_MAX_PARAMS, on, off; else skipped, saying why)."""
+    from triton_vllm_multistep.stub.lora import local_model_dir
+
+    model_dir = local_model_dir(engine_args.model)
+    with tempfile.TemporaryDirectory(prefix="gpu-smoke-lora-") as root:
+        if lora_adapters:
+            adapters, source = list(lora_adapters), "--lora-adapters"
+        else:
+            reason = no_constructed_adapters(engine_args.model, model_dir)
+            if reason is not None:
+                for name in LORA_CHECKS:
+                    report.skip(name, reason)
+                return
+            assert model_dir is not None
+            from triton_vllm_multistep.testing import lora
+
+            adapters = [
+                (
+                    name,
+                    lora.write_adapter(model_dir, Path(root) / name, seed=seed, rank=LORA_RANK, target_modules=targets),
+                )
+                for name, (seed, targets) in CONSTRUCTED_ADAPTERS.items()
+            ]
+            source = f"constructed (testing/lora.write_adapter, rank {LORA_RANK})"
+        _lora_checks(report, engine_args, model_dir, adapters, source, transformers, user_threads)
+
+
+def _lora_checks(
+    report: SmokeReport,
+    engine_args: Any,
+    model_dir: Path | None,
+    adapters: list[tuple[str, Path]],
+    source: str,
+    transformers: str,
+    user_threads: dict[str, str | None] | None,
+) -> None:
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    from triton_vllm_multistep.engine.factory import build_engine
+    from triton_vllm_multistep.engine.warmup import preload_adapters
+
+    mixed_name, steps1_name, changed_name, merged_name = LORA_CHECKS
+    needed = max(int(_adapter_config(folder).get("r") or 0) for _, folder in adapters)
+    rank = next((r for r in LORA_MAX_RANKS if r >= needed), needed)
+    if engine_args.enable_lora:
+        rank = max(rank, engine_args.max_lora_rank)
+    lora_args = dataclasses.replace(
+        engine_args, enable_lora=True, max_loras=2, max_lora_rank=rank, max_cpu_loras=max(2, len(adapters))
+    )
+    plain = tuple((name, index + 1, str(folder)) for index, (name, folder) in enumerate(adapters))
+    requests = _lora_requests(plain)
+    max_tokens = engine_args.num_scheduler_steps + 4  # a prefill step, a whole window and a partial one: short on CPU
+    prompt = PROMPT
+
+    def params() -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        )
+
+    lora_info = {
+        "adapters": {name: str(folder) for name, folder in adapters},
+        "source": source,
+        "max_loras": 2,
+        "max_lora_rank": rank,
+    }
+    print("LoRA:", json.dumps(lora_info), flush=True)
+
+    # num_scheduler_steps 1, in a process of its own (exited before the in-process engine is built).
+    started = time.perf_counter()
+    try:
+        reference = in_engine_process(
+            lora_args,
+            lambda runner, collector: collector.collect({request_id: Stream() for request_id in requests}),
+            lora_adapters=plain,
+            before_serve=lambda runner: _submit_each(runner, requests, prompt, params),
+            num_scheduler_steps=1,
+        )
+    except Exception as error:
+        failure = f"the num_scheduler_steps 1 engine failed: {type(error).__name__}: {error}"
+        reference = {request_id: Stream(failure=failure) for request_id in requests}
+    report.figures["lora_single_step_reference_seconds"] = time.perf_counter() - started
+
+    started = time.perf_counter()
+    loop = smoke_loop(lambda: preload_adapters(build_engine(lora_args, stream_mode="step"), plain), user_threads)
+    try:
+        engine = loop.start_engine()
+    except Exception as error:
+        failure = f"the engine with enable_lora failed to build: {type(error).__name__}: {error}"
+        for name in LORA_CHECKS:
+            report.check(name, False, failure)
+        return
+    report.figures["lora_build_seconds"] = time.perf_counter() - started
+    try:
+        report.engine["lora"] = lora_info
+        if "engine" not in report.engine:
+            report.engine.update(describe_engine(engine), torch_threads=loop.torch_threads)
+            print("engine:", json.dumps(report.engine), flush=True)
+        exact = str(engine.model_config.dtype) == "torch.float32"
+        collector = _Collector(engine)
+        started = time.perf_counter()
+        _submit_each(loop, requests, prompt, params)  # queued before the engine steps: one batch from the start
+        loop.serve(collector.sink)
+        mixed = collector.collect({request_id: Stream() for request_id in requests})
+        alone: dict[str, Stream] = {}
+        for request_id, lora_request in requests.items():
+            loop.submit(request_id, prompt, params(), lora_request)
+            alone[request_id] = collector.collect({request_id: Stream()})[request_id]
+        report.figures["lora_generate_seconds"] = time.perf_counter() - started
+    finally:
+        loop.stop()
+        engine.model_executor.shutdown()
+
+    def tokens_of(stream: Stream) -> str:
+        return f"{len(stream.tokens)} tokens" if stream.failure is None else f"failed: {stream.failure}"
+
+    def token_list(stream: Stream) -> str:
+        return str(stream.tokens) if stream.failure is None else f"failed: {stream.failure}"
+
+    # 1. Mixed in one batch = alone.
+    base_steps = mixed["lora-base"].steps
+    equal_alone = {
+        request_id: stream.failure is None
+        and alone[request_id].failure is None
+        and len(stream.tokens) == max_tokens
+        and stream.tokens == alone[request_id].tokens
+        for request_id, stream in mixed.items()
+    }
+    shared = {request_id: len(stream.steps & base_steps) for request_id, stream in mixed.items()}
+    report.check(
+        mixed_name,
+        all(equal_alone.values()) and all(shared.values()),
+        "; ".join(
+            f"{request_id}: {tokens_of(stream)}, equal alone={equal_alone[request_id]}"
+            + (f" (alone {tokens_of(alone[request_id])})" if not equal_alone[request_id] else "")
+            + f", steps shared with lora-base {shared[request_id]}"
+            for request_id, stream in mixed.items()
+        ),
+    )
+    # 2. Mixed at num_scheduler_steps N = mixed at 1.
+    equal_steps1 = {
+        request_id: stream.failure is None
+        and reference[request_id].failure is None
+        and stream.tokens == reference[request_id].tokens
+        for request_id, stream in mixed.items()
+    }
+    report.check(
+        steps1_name,
+        all(equal_steps1.values()),
+        "; ".join(
+            f"{request_id}: {tokens_of(stream)}, equal={equal_steps1[request_id]}"
+            + (f" (steps 1: {reference[request_id].outcome()})" if not equal_steps1[request_id] else "")
+            for request_id, stream in mixed.items()
+        ),
+    )
+    # 3. Each adapter changes the base model's answer (same prompt).
+    base = mixed["lora-base"]
+    changed = {
+        request_id: base.failure is None and stream.failure is None and stream.tokens != base.tokens
+        for request_id, stream in mixed.items()
+        if request_id != "lora-base"
+    }
+    report.check(
+        changed_name,
+        all(changed.values()),
+        f"lora-base: {token_list(base)}; "
+        + "; ".join(
+            f"{request_id}: {token_list(mixed[request_id])}, changed={changed[request_id]}" for request_id in changed
+        ),
+    )
+    # 4. Greedy tokens = transformers with the adapter merged (small models, on the host).
+    reason = no_merged_reference(model_dir, adapters, transformers)
+    if reason is not None:
+        report.skip(merged_name, reason)
+        return
+    assert model_dir is not None
+    folders = {f"lora-{name}": folder for name, folder in adapters}
+    verdicts: dict[str, tuple[bool, str]] = {}
+    started = time.perf_counter()
+    for request_id, stream in mixed.items():
+        if stream.failure is not None:
+            verdicts[request_id] = (False, tokens_of(stream))
+            continue
+        try:
+            verdicts[request_id] = merged_verdict(model_dir, folders.get(request_id), prompt, stream.tokens, exact)
+        except Exception as error:
+            verdicts[request_id] = (False, f"the transformers reference failed: {type(error).__name__}: {error}")
+    report.figures["lora_transformers_seconds"] = time.perf_counter() - started
+    report.check(
+        merged_name,
+        all(ok for ok, _ in verdicts.values()),
+        "; ".join(f"{request_id}: {detail}" for request_id, (ok, detail) in verdicts.items()),
+    )
+
+
+def run_smoke(
+    engine_args: Any,
+    sections: Sequence[str] = SECTIONS,
+    lora_adapters: Sequence[tuple[str, Path]] | None = None,
+    lora_transformers: str = "auto",
+) -> SmokeReport:
+    """Build the engine as the backend does and run the checks of `sections` ("engine": streaming,
+    cancel, idle, engine process, structured output; "lora": multi-LoRA, `run_lora_checks`); the
+    report says what passed and what was skipped, and why."""
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"unknown smoke section(s) {unknown}: choose from {SECTIONS}")
+    from triton_vllm_multistep.engine.factory import thread_choice_of_user
+
+    report = SmokeReport()
+    started = time.perf_counter()
+    user_threads = thread_choice_of_user()  # before this process builds an engine: vLLM sets OMP_NUM_THREADS
+    if "engine" in sections:
+        run_engine_checks(report, engine_args, user_threads)
+    if "lora" in sections:
+        if "engine" in sections:
+            release_engine_memory()  # the engine section's in-process engine, before the LoRA one is built
+        lora_started = time.perf_counter()
+        run_lora_checks(report, engine_args, lora_adapters, lora_transformers, user_threads)
+        report.figures["lora_seconds"] = time.perf_counter() - lora_started
+    report.figures["total_seconds"] = time.perf_counter() - started
+    return report
+
+
+def release_engine_memory() -> None:
+    """Free what an in-process engine left behind (shut down, no longer referenced) before another is
+    built in this process: vLLM's distributed state, garbage, the CUDA cache (as vLLM's own tests do)."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
+def run_engine_checks(report: SmokeReport, engine_args: Any, user_threads: dict[str, str | None] | None = None) -> None:
+    """The engine section: per-step streaming, the final output, cancel, idle, the engine process,
+    structured output. The in-process engine is shut down on return."""
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     from triton_vllm_multistep.engine.factory import build_engine
     from triton_vllm_multistep.engine.gpu_multistep import window_open
-    from triton_vllm_multistep.engine.loop import EngineLoop
 
-    report = SmokeReport()
-    prompt = [1, 5, 9, 12, 20, 33, 47]
+    prompt = PROMPT
     tokens = 3 * engine_args.num_scheduler_steps + 2  # several windows, one partial
     # Outlasts the structured-output requests beside it (stream_beside_constrained).
     beside_tokens = 8 * engine_args.num_scheduler_steps + 2
@@ -390,11 +845,11 @@ def run_smoke(engine_args: Any) -> SmokeReport:
     reference = single_step_reference(engine_args, prompt, params(beside_tokens))
     report.figures["single_step_reference_seconds"] = time.perf_counter() - started
     started = time.perf_counter()
-    loop = EngineLoop(lambda: build_engine(engine_args, stream_mode="step"))
+    loop = smoke_loop(lambda: build_engine(engine_args, stream_mode="step"), user_threads)
     engine = loop.start_engine()
     report.figures["build_seconds"] = time.perf_counter() - started
     try:
-        report.engine = describe_engine(engine)
+        report.engine = {**describe_engine(engine), "torch_threads": loop.torch_threads}
         print("engine:", json.dumps(report.engine), flush=True)
         steps = engine.scheduler_config.num_scheduler_steps
         report.check("multi-step", steps > 1, f"num_scheduler_steps={steps}, worker {report.engine['worker']}")
@@ -481,8 +936,6 @@ def run_smoke(engine_args: Any) -> SmokeReport:
     finally:
         loop.stop()
         engine.model_executor.shutdown()
-    report.figures["total_seconds"] = time.perf_counter() - started
-    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -493,7 +946,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-args", default="{}", help="JSON object of engine arguments over the config's")
     parser.add_argument("--cpu", action="store_true", help="run the same checks on the CPU engine (no GPU needed)")
     parser.add_argument("--json", type=Path, help="also write the report here")
+    parser.add_argument("--only", choices=SECTIONS, help="run one section's checks (default: all)")
+    parser.add_argument(
+        "--lora-adapters",
+        metavar="NAME=PATH,NAME=PATH",
+        help="PEFT LoRA adapters of the model for the LoRA checks (default: two constructed for a Llama-style "
+        "local model; other models skip them)",
+    )
+    parser.add_argument(
+        "--lora-transformers",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="compare LoRA tokens with transformers with the adapter merged, on the host "
+        f"(auto: models below {TRANSFORMERS_MAX_PARAMS / 1e9:.0f}B parameters)",
+    )
     options = parser.parse_args(argv)
+    try:
+        lora_adapters = parse_lora_adapters(options.lora_adapters) if options.lora_adapters else None
+    except ValueError as error:
+        parser.error(str(error))
 
     from triton_vllm_multistep.stub.device import gpu_count
 
@@ -516,7 +987,8 @@ def main(argv: list[str] | None = None) -> int:
     engine_args, _ = engine_args_from_config(
         options.model_dir, config_file, options.model, json.loads(options.engine_args)
     )
-    report = run_smoke(engine_args)
+    sections = (options.only,) if options.only else SECTIONS
+    report = run_smoke(engine_args, sections, lora_adapters, options.lora_transformers)
     print("figures:", json.dumps({k: round(v, 3) for k, v in report.figures.items()}))
     if options.json:
         options.json.write_text(
@@ -525,7 +997,13 @@ def main(argv: list[str] | None = None) -> int:
                 indent=2,
             )
         )
-    print("GPU smoke test", "PASSED" if report.passed else "FAILED")
+    skipped = (
+        f" ({len(report.skipped)} of {len(report.checks)} checks skipped, see SKIP above)" if report.skipped else ""
+    )
+    if not report.ran:
+        print(f"GPU smoke test NOT RUN: every check was skipped{skipped}")
+        return 2
+    print(f"GPU smoke test {'PASSED' if report.passed else 'FAILED'}{skipped}")
     return 0 if report.passed else 1
 
 
