@@ -52,6 +52,7 @@ def _lora_model(repository: Path, name: str, engine: dict, entries: dict | None,
     version = repository / name / "1"
     for adapter, folder in adapters.items():
         shutil.copytree(folder, version / "adapters" / adapter)
+    (version / "multi_lora.json").unlink(missing_ok=True)  # the shipped model names the SmolLM2 demo adapters
     if entries is not None:
         (version / "multi_lora.json").write_text(json.dumps(entries))
 
