@@ -140,7 +140,7 @@ def test_without_the_input_request_parameters_are_the_sampling_fields_named_as_p
         codec.FIELD_CONVERTERS["max_tokens"]("parameters.max_tokens", "ten")
 
 
-LIMITS = codec.ModelLimits(vocab_size=100, max_model_len=64, model_name="demo/tiny", multimodal=False)
+LIMITS = codec.ModelLimits(vocab_size=100, max_model_len=64, model_name="demo/tiny")
 
 
 def decode(inputs: dict, limits: codec.ModelLimits = LIMITS) -> codec.GenerationRequest:
@@ -150,9 +150,6 @@ def decode(inputs: dict, limits: codec.ModelLimits = LIMITS) -> codec.Generation
 def test_an_image_for_a_text_only_model_is_refused_naming_the_input_in_vllms_words() -> None:
     with pytest.raises(codec.RequestError, match="input 'image': demo/tiny is not a multimodal model"):
         decode({"text_input": text("<image> what?"), "image": text("aGVsbG8=")})
-    multimodal = codec.ModelLimits(vocab_size=100, max_model_len=64, model_name="llava", multimodal=True)
-    with pytest.raises(codec.RequestError, match="input 'image' is not supported"):
-        decode({"text_input": text("<image> what?"), "image": text("aGVsbG8=")}, multimodal)
 
 
 def test_streaming_with_the_prompt_keeps_their_leading_phrase() -> None:

@@ -1,7 +1,8 @@
 """Deterministic local demo models: tiny random-weight Llamas with locally trained tokenizers.
 
 Owns building and locating the demo model folders (same seed, same bytes) and naming them
-`demo://NAME`, the real one (SmolLM2-135M-Instruct, demo/smollm2.py) included; must not download.
+`demo://NAME`, the tiny LLaVA (demo/tiny_llava.py) and the real one (SmolLM2-135M-Instruct,
+demo/smollm2.py) included; must not download.
 """
 
 from __future__ import annotations
@@ -224,10 +225,10 @@ def _write_model(spec: DemoSpec, folder: Path, vocab_size: int) -> None:
 
 
 def all_names() -> list[str]:
-    """Every demo model: the tiny random-weight ones, the real one, then its LoRA adapters (trained on it)."""
-    from triton_vllm_multistep.demo import smollm2, smollm2_adapters
+    """Every demo model: the tiny random-weight ones (LLaVA last), the real one, then its LoRA adapters."""
+    from triton_vllm_multistep.demo import smollm2, smollm2_adapters, tiny_llava
 
-    return [*sorted(DEMO_MODELS), smollm2.NAME, smollm2_adapters.NAME]
+    return [*sorted(DEMO_MODELS), tiny_llava.NAME, smollm2.NAME, smollm2_adapters.NAME]
 
 
 def build(name: str, root: Path | None = None, force: bool = False) -> Path:
@@ -235,8 +236,10 @@ def build(name: str, root: Path | None = None, force: bool = False) -> Path:
 
     For the SmolLM2 adapters (demo/smollm2_adapters.py) that is the folder of one folder per adapter.
     """
-    from triton_vllm_multistep.demo import smollm2, smollm2_adapters
+    from triton_vllm_multistep.demo import smollm2, smollm2_adapters, tiny_llava
 
+    if name == tiny_llava.NAME:
+        return tiny_llava.build(root or cache_root(), force=force)
     if name == smollm2.NAME:
         return smollm2.build(root or cache_root(), force=force)
     if name == smollm2_adapters.NAME:

@@ -8,7 +8,7 @@ import vLLM or torch, so stub-side modules and unit tests can use them cheaply.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -83,6 +83,7 @@ class EngineFacts:
     num_scheduler_steps: int
     attention_kernels: str  # engine.cpu_attention.attention_kernels()
     max_loras: int = 0  # LoRA adapters a batch may hold (vLLM's max_loras); 0: LoRA off
+    images_per_prompt: int = 0  # vLLM's limit_mm_per_prompt for images; 0: the model takes none
 
 
 EngineEvent = StepOutputs | RequestFailed | EngineDied
@@ -111,7 +112,14 @@ class EngineRunner(Protocol):
         time_steps: bool = False,
     ) -> None: ...
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: Any, lora_request: Any = None) -> None: ...
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: Any,
+        lora_request: Any = None,
+        images: Sequence[Any] = (),
+    ) -> None: ...
 
     def abort(self, request_id: str) -> None: ...
 

@@ -18,6 +18,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 
 from triton_vllm_multistep.engine.events import STREAM_MODES, StreamMode
+from triton_vllm_multistep.engine.multimodal import multi_step_refusal
 from triton_vllm_multistep.engine.prefix_cache import count_cached_tokens_afresh
 
 logger = logging.getLogger(__name__)
@@ -245,6 +246,9 @@ def gpu_multistep_config(engine_args: EngineArgs) -> VllmConfig:
     config = dataclasses.replace(
         engine_args, worker_cls=WORKER_QUALNAME, scheduler_cls=SCHEDULER_QUALNAME
     ).create_engine_config()
+    refusal = multi_step_refusal(config.model_config, steps)
+    if refusal is not None:
+        raise EngineBuildError(refusal)
     try:
         problem = multi_step_attention_problem(config)
     except Exception as error:  # vLLM's own check still runs when the workers are built
@@ -280,12 +284,13 @@ def cpu_multistep_config(engine_args: EngineArgs, stream_mode: StreamMode) -> Vl
     single = dataclasses.replace(engine_args, num_scheduler_steps=1, worker_cls=WORKER_QUALNAME)
     config = single.create_engine_config()
     model_config = config.model_config
+    refusal = multi_step_refusal(model_config, steps)
+    if refusal is not None:
+        raise EngineBuildError(refusal)
     if model_config.runner_type != "generate" or model_config.is_encoder_decoder:
         raise EngineBuildError(f"num_scheduler_steps={steps} on CPU needs a generative decoder-only model")
     if model_config.get_sliding_window() is not None:
         raise EngineBuildError(f"num_scheduler_steps={steps} on CPU does not support sliding-window attention")
-    if model_config.uses_mrope:
-        raise EngineBuildError(f"num_scheduler_steps={steps} on CPU does not support M-RoPE")
     scheduler_config = config.scheduler_config
     scheduler_config.num_scheduler_steps = steps
     # The scheduler reserves these slots before a window, so the block tables last all of it.

@@ -36,6 +36,7 @@ from triton_vllm_multistep.engine.events import (
     StreamMode,
 )
 from triton_vllm_multistep.engine.factory import build_engine, serving_torch_threads
+from triton_vllm_multistep.engine.multimodal import ImagePromptProcessor, image_prompt, images_per_prompt
 from triton_vllm_multistep.engine.prefix_cache import prefix_cache_hit_rate
 from triton_vllm_multistep.engine.warmup import preload_adapters, warmed_up
 
@@ -68,6 +69,7 @@ def engine_facts(engine: LLMEngine) -> EngineFacts:
         vocab_size=int(model.get_vocab_size()),
         max_model_len=int(model.max_model_len),
         multimodal=bool(getattr(model, "is_multimodal_model", False)),
+        images_per_prompt=images_per_prompt(model),
         num_scheduler_steps=steps,
         attention_kernels=attention_kernels(),
         max_loras=engine.lora_config.max_loras if engine.lora_config else 0,
@@ -139,6 +141,8 @@ class _Admission:
     prompt_token_ids: list[int]
     params: SamplingParams
     lora_request: LoRARequest | None = None
+    images: Sequence[Any] = ()  # decoded RGB images for the prompt's placeholders, in order
+    processed: Any = None  # vLLM's processed inputs of an image prompt (engine/multimodal.py)
 
 
 class EngineLoop:
@@ -179,10 +183,12 @@ class EngineLoop:
         self._in_engine: set[str] = set()
         # best_of requests: request id → all candidate sequences (vLLM returns only the best n).
         self._candidates: dict[str, list] = {}
-        # Structured output: requests whose constraint is being built (id → prompt ids), those
-        # aborted meanwhile, and the constraints that failed in the last step (engine/constraints.py).
+        # Requests prepared off this thread before admission (image prompts processed, then
+        # constraints built: engine/multimodal.py, engine/constraints.py), those aborted meanwhile,
+        # and the constraints that failed in the last step.
         self._builder: ConstraintBuilder | None = None
-        self._building: dict[str, tuple[list[int], LoRARequest | None]] = {}
+        self._image_processor: ImagePromptProcessor | None = None
+        self._building: dict[str, _Admission] = {}
         self._abandoned: set[str] = set()
         self._building_lock = threading.Lock()
         self._constraint_failures: list[tuple[str, str]] = []
@@ -246,32 +252,67 @@ class EngineLoop:
         prompt_token_ids: list[int],
         params: SamplingParams,
         lora_request: LoRARequest | None = None,
+        images: Sequence[Any] = (),
     ) -> None:
-        """Queue a request for the engine thread; `lora_request` names its adapter (None: the base model)."""
-        if params.guided_decoding is not None:
-            # Built off this thread and the engine's (engine/constraints.py), then admitted.
+        """Queue a request for the engine thread; `lora_request` names its adapter (None: the base
+        model), `images` are the decoded images its prompt's placeholders stand for."""
+        item = _Admission(request_id, prompt_token_ids, params, lora_request, tuple(images))
+        if images or params.guided_decoding is not None:
+            with self._building_lock:
+                self._building[request_id] = item
+            self._prepare(item)
+            return
+        self._admissions.append(item)
+        self._wake.set()
+
+    def _prepare(self, item: _Admission) -> None:
+        """Hand a request to its next preparation thread, or admit it once prepared."""
+        if item.images and item.processed is None:
+            with self._building_lock:
+                if self._image_processor is None:
+                    self._image_processor = ImagePromptProcessor(self.engine)
+            prompt = image_prompt(item.prompt_token_ids, item.images)
+            self._image_processor.submit(
+                item.request_id, prompt, item.lora_request, self._image_processed, self._refused
+            )
+        elif item.params.guided_decoding is not None:
             with self._building_lock:
                 if self._builder is None:
                     self._builder = ConstraintBuilder(self.engine, self._constraint_failures)
-                self._building[request_id] = (prompt_token_ids, lora_request)
-            self._builder.submit(request_id, params, self._constraint_built, self._constraint_refused)
-            return
-        self._admissions.append(_Admission(request_id, prompt_token_ids, params, lora_request))
-        self._wake.set()
+            self._builder.submit(item.request_id, item.params, self._constraint_built, self._refused)
+        else:
+            with self._building_lock:
+                prepared = self._building.pop(item.request_id, None) is not None
+                if item.request_id in self._abandoned:
+                    self._abandoned.discard(item.request_id)
+                    return
+            if prepared:
+                self._admissions.append(item)
+                self._wake.set()
+
+    def _still_wanted(self, request_id: str) -> _Admission | None:
+        """A preparation thread's request, unless it was aborted meanwhile (then forgotten)."""
+        with self._building_lock:
+            if request_id in self._abandoned:
+                self._abandoned.discard(request_id)
+                self._building.pop(request_id, None)
+                return None
+            return self._building.get(request_id)
+
+    def _image_processed(self, request_id: str, processed: Any) -> None:
+        """Image prompt thread: the prompt is processed; on to its constraint or admission."""
+        if (item := self._still_wanted(request_id)) is not None:
+            item.processed = processed
+            self._prepare(item)
 
     def _constraint_built(self, request_id: str, params: SamplingParams) -> None:
-        """Constraint builder thread: admit the request (unless it was aborted meanwhile)."""
-        with self._building_lock:
-            building = self._building.pop(request_id, None)
-            if request_id in self._abandoned or building is None:
-                self._abandoned.discard(request_id)
-                return
-        prompt, lora_request = building
-        self._admissions.append(_Admission(request_id, prompt, params, lora_request))
-        self._wake.set()
+        """Constraint builder thread: the constraint is built; admit the request."""
+        if (item := self._still_wanted(request_id)) is not None:
+            item.params = params
+            self._prepare(item)
 
-    def _constraint_refused(self, request_id: str, message: str) -> None:
-        """Constraint builder thread: the backend could not build it; the request fails alone."""
+    def _refused(self, request_id: str, message: str) -> None:
+        """A preparation thread could not prepare the request; it fails alone."""
         with self._building_lock:
             self._building.pop(request_id, None)
             if request_id in self._abandoned:
@@ -316,12 +357,24 @@ class EngineLoop:
         while self._admissions:
             item = self._admissions.popleft()
             try:
-                self.engine.add_request(
-                    item.request_id,
-                    TokensPrompt(prompt_token_ids=item.prompt_token_ids),
-                    item.params,
-                    lora_request=item.lora_request,
-                )
+                if item.processed is not None:
+                    # Processed on the image prompt thread: what vLLM's add_request does after its
+                    # own preprocessing (checks of the processed prompt, the sequence group).
+                    self.engine._add_processed_request(
+                        request_id=item.request_id,
+                        processed_inputs=item.processed,
+                        params=item.params,
+                        arrival_time=time.time(),
+                        lora_request=item.lora_request,
+                        prompt_adapter_request=None,
+                    )
+                else:
+                    self.engine.add_request(
+                        item.request_id,
+                        TokensPrompt(prompt_token_ids=item.prompt_token_ids),
+                        item.params,
+                        lora_request=item.lora_request,
+                    )
             except Exception as error:
                 # One request the engine refuses (vLLM raises ValueError, TypeError, ...) must not
                 # take the engine thread down with it; the engine is unchanged by a refused add.
@@ -412,8 +465,9 @@ class EngineLoop:
             # Stopping (unload): release remote workers from their execution loop, or the
             # executor's shutdown cannot reach them.
             engine.model_executor.stop_remote_worker_execution_loop()
-            if self._builder is not None:
-                self._builder.stop()
+            for preparer in (self._builder, self._image_processor):
+                if preparer is not None:
+                    preparer.stop()
         except BaseException as error:
             self.error = f"vLLM engine failed: {type(error).__name__}: {error}"
             logger.error("%s\n%s", self.error, traceback.format_exc())

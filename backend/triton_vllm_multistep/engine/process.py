@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -202,10 +202,17 @@ class EngineProcess:
         self._reader.start()
         self._send(("serve", state_interval, time_steps, on_state is not None))
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: Any, lora_request: Any = None) -> None:
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: Any,
+        lora_request: Any = None,
+        images: Sequence[Any] = (),
+    ) -> None:
         with self._in_flight_lock:
             self._in_flight.add(request_id)
-        self._send(("submit", request_id, prompt_token_ids, params, lora_request))
+        self._send(("submit", request_id, prompt_token_ids, params, lora_request, tuple(images)))
 
     def abort(self, request_id: str) -> None:
         with self._in_flight_lock:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # vLLM is imported where used: auto_complete_config's stub ne
 
 from triton_vllm_multistep.stub.config import MAX_STREAM_INTERVAL, Limits
 from triton_vllm_multistep.stub.detokenization import text_window
+from triton_vllm_multistep.stub.images import IMAGE_INPUT, ImageError, decode_images
 from triton_vllm_multistep.stub.lora import LORA_NAME_FIELD, LORA_OFF_MESSAGE, Adapter
 
 RETURN_FLAGS = (
@@ -150,7 +151,6 @@ TRITON_RESERVED_PARAMETERS = frozenset(
 MAX_SEED = 2**63 - 1
 SAMPLING_TENSOR = "sampling_parameters"
 REQUEST_PARAMETERS = "parameters"  # how errors name a field that came from the request parameters
-IMAGE_INPUT = "image"
 # Leading phrases of Triton's vLLM backend's messages, kept so clients matching on them still do.
 STREAM_WITH_PROMPT_MESSAGE = "When streaming, `exclude_input_in_output` = False is not allowed."
 
@@ -184,6 +184,13 @@ class GenerationRequest:
     # The outputs the client (or the ensemble step) asked for; None: all. Only these are built.
     outputs: frozenset[str] | None = None
     adapter: Adapter | None = None  # `lora_name`'s adapter; None: the base model
+    images: tuple[Any, ...] = ()  # decoded RGB images for the prompt's placeholders (stub/images.py)
+    # The prompt's token count as the engine counts it (image placeholders expanded), once known.
+    engine_prompt_tokens: int | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.engine_prompt_tokens if self.engine_prompt_tokens is not None else len(self.prompt_token_ids)
 
     def wants(self, name: str) -> bool:
         return self.outputs is None or name in self.outputs
@@ -197,7 +204,7 @@ class ModelLimits:
     max_model_len: int
     limits: Limits = field(default_factory=Limits)
     model_name: str = "this model"  # the engine's model, for errors about what it cannot take
-    multimodal: bool = False
+    images_per_prompt: int = 0  # vLLM's limit_mm_per_prompt for images; 0: a text-only model
     adapters: tuple[Adapter, ...] | None = None  # multi_lora.json's, in its order; None: LoRA off
 
 
@@ -417,19 +424,24 @@ def decode_request(
     decode: Callable[[list[int]], str],
 ) -> GenerationRequest:
     """Triton inputs (name → array) and request parameters (JSON) → a validated request."""
-    size = sum(_payload_bytes(array) for array in inputs.values())
+    # Images have limits of their own (max_image_bytes each, limit_mm_per_prompt of them).
+    size = sum(_payload_bytes(array) for name, array in inputs.items() if name != IMAGE_INPUT)
     if size > model.limits.max_request_bytes:
         raise RequestError(
             f"request inputs are {size} bytes, over this model's limit of {model.limits.max_request_bytes}"
         )
+    images: tuple[Any, ...] = ()
     if IMAGE_INPUT in inputs:
-        if not model.multimodal:
-            # vLLM's words for it (what Triton's vLLM backend answers), naming the input.
-            raise RequestError(f"input '{IMAGE_INPUT}': {model.model_name} is not a multimodal model")
-        raise RequestError(
-            f"input '{IMAGE_INPUT}' is not supported: this backend serves text prompts only "
-            "(vLLM's multi-step scheduling does not take multimodal inputs)"
-        )
+        try:
+            images = decode_images(
+                inputs[IMAGE_INPUT],
+                model.images_per_prompt,
+                model.model_name,
+                model.limits.max_image_bytes,
+                model.limits.max_image_pixels,
+            )
+        except ImageError as error:
+            raise RequestError(str(error)) from None
     has_text = "text_input" in inputs
     has_ids = "input_ids" in inputs
     if has_text == has_ids:
@@ -488,6 +500,7 @@ def decode_request(
         context_ids=list(prompt_ids) if returns.detokenization_window else None,
         stream_interval=interval,
         adapter=adapter,
+        images=images,
     )
 
 
@@ -551,7 +564,7 @@ def encode_response(
     if returns.logprobs and request.wants("logprobs"):
         arrays["logprobs"] = np.array([_logprobs_json(c.logprobs) for c in completions], dtype=np.object_)
     if returns.num_input_tokens and request.wants("num_input_tokens"):
-        arrays["num_input_tokens"] = np.array([len(request.prompt_token_ids)], dtype=np.uint32)
+        arrays["num_input_tokens"] = np.array([request.prompt_tokens], dtype=np.uint32)
     if returns.num_output_tokens and request.wants("num_output_tokens"):
         arrays["num_output_tokens"] = np.array([len(c.token_ids) for c in completions], dtype=np.uint32)
     if request.context_ids is not None and window_decode is not None:

@@ -50,7 +50,9 @@ class Limits:
     max_prompt_tokens: int = 0
     max_tokens: int = 0
     max_n: int = 16
-    max_request_bytes: int = 1 << 20
+    max_request_bytes: int = 1 << 20  # input tensors other than `image`
+    max_image_bytes: int = 10 << 20  # each `image` element, base64 as sent
+    max_image_pixels: int = 4096 * 4096  # each image, width x height
 
 
 # config.pbtxt `stream_mode`: "step" (one response per decoded step: the engine hands out every
@@ -229,6 +231,8 @@ def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) 
         max_request_bytes=_as_int(
             "max_request_bytes", params.get("max_request_bytes", str(defaults.max_request_bytes)), 1
         ),
+        max_image_bytes=_as_int("max_image_bytes", params.get("max_image_bytes", str(defaults.max_image_bytes)), 1),
+        max_image_pixels=_as_int("max_image_pixels", params.get("max_image_pixels", str(defaults.max_image_pixels)), 1),
     )
     text = params.get("engine_process", "")
     engine_process = _true_false_or_auto("engine_process", text if text.strip() else "auto")  # empty: auto

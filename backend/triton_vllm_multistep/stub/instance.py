@@ -241,7 +241,7 @@ class ModelServer:
                 max_model_len=facts.max_model_len,
                 limits=self.settings.limits,
                 model_name=facts.model,
-                multimodal=facts.multimodal,
+                images_per_prompt=facts.images_per_prompt,
                 adapters=self.adapters,
             )
             from vllm.lora.request import LoRARequest
@@ -390,7 +390,9 @@ class ModelServer:
                 self._refuse(sender)  # draining began since the check above
                 continue
             lora_request = self._lora_requests[generation.adapter.name] if generation.adapter else None
-            self.loop.submit(engine_id, generation.prompt_token_ids, generation.sampling_params, lora_request)
+            self.loop.submit(
+                engine_id, generation.prompt_token_ids, generation.sampling_params, lora_request, generation.images
+            )
             if not self.loop.healthy:
                 # The engine died between the check above and the submit: nobody else will
                 # answer this request (fail() is a no-op if the death handling already did).

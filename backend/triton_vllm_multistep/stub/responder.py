@@ -300,6 +300,16 @@ class Responder:
         except Exception:
             logger.warning("could not send error response: %s", message)
 
+    def _with_image_count(self, request_id: str, message: str) -> str:
+        """An engine's refusal of a request with images says how many it had."""
+        with self._lock:
+            state = self._states.get(request_id)
+        if state is None or not state.request.images:
+            return message
+        count = len(state.request.images)
+        logger.info("request %s with %d image(s) failed: %s", request_id, count, message)
+        return f"{message} (the request has {count} image{'s' if count > 1 else ''})"
+
     def fail(self, request_id: str, message: str, code: Any) -> None:
         """Response thread: end a registered request with an error FINAL, unless it has already ended."""
         with self._lock:
@@ -349,7 +359,11 @@ class Responder:
         if isinstance(event, StepOutputs):
             self._send_outputs(event)
         elif isinstance(event, RequestFailed):
-            self.fail(event.request_id, event.message, self._pb.TritonError.INVALID_ARG)
+            self.fail(
+                event.request_id,
+                self._with_image_count(event.request_id, event.message),
+                self._pb.TritonError.INVALID_ARG,
+            )
         elif isinstance(event, EndRequest):
             self.fail(event.request_id, event.message, event.code)
         elif isinstance(event, Refusal):
@@ -437,6 +451,11 @@ class Responder:
         ready: list[tuple[Any, RequestState, Any, bool]] = []
         for request_id, output, state in due:
             finished = output.finished
+            if state.first and state.request.images and output.prompt_token_ids is not None:
+                # The prompt as vLLM counts it: each image placeholder expanded to the image's tokens.
+                state.request.engine_prompt_tokens = len(output.prompt_token_ids)
+                if state.timing is not None:
+                    state.timing.prompt_tokens = state.request.engine_prompt_tokens
             try:
                 arrays = codec.encode_response(output, state.request, state.first, self.window_decode)
                 response = triton_io.response(self._pb, arrays)
