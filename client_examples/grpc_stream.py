@@ -5,21 +5,27 @@ python client_examples/grpc_stream.py "What is the capital of France?" --model e
 python client_examples/grpc_stream.py "Is Paris in France?" --model ensemble --chat \
     --guided-decoding '{"choice": ["yes", "no"]}'
 python client_examples/grpc_stream.py "What is the capital of France?" --model ensemble --chat --lora-name pirate
+python client_examples/grpc_stream.py $'USER: <image>\nWhat is in the picture? ASSISTANT:' --image cat.png
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import queue
 import sys
+from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 
-def build_inputs(prompt: str, sampling: dict, stream: bool = True, chat: bool = False) -> list[grpcclient.InferInput]:
+def build_inputs(
+    prompt: str, sampling: dict, stream: bool = True, chat: bool = False, images: list[bytes] | None = None
+) -> list[grpcclient.InferInput]:
+    """The request's inputs; `images` are image files' bytes, one per placeholder of the prompt."""
     if chat:  # one user message; the ensemble's preprocessing applies the model's chat template
         text = grpcclient.InferInput("messages", [1], "BYTES")
         message = json.dumps([{"role": "user", "content": prompt}])
@@ -31,7 +37,12 @@ def build_inputs(prompt: str, sampling: dict, stream: bool = True, chat: bool = 
     stream_flag.set_data_from_numpy(np.array([stream]))
     params = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
     params.set_data_from_numpy(np.array([json.dumps(sampling).encode()], dtype=np.object_))
-    return [text, stream_flag, params]
+    inputs = [text, stream_flag, params]
+    if images:  # multimodal models: base64-encoded, in the order of the prompt's placeholders
+        image = grpcclient.InferInput("image", [len(images)], "BYTES")
+        image.set_data_from_numpy(np.array([base64.b64encode(data) for data in images], dtype=np.object_))
+        inputs.append(image)
+    return inputs
 
 
 def main() -> int:
@@ -51,6 +62,9 @@ def main() -> int:
     parser.add_argument(
         "--lora-name", help="a LoRA adapter of the model's multi_lora.json (sampling_parameters.lora_name)"
     )
+    parser.add_argument(
+        "--image", action="append", default=[], metavar="FILE", help="an image for the prompt's next placeholder"
+    )
     args = parser.parse_args()
 
     responses: queue.Queue = queue.Queue()
@@ -61,7 +75,8 @@ def main() -> int:
         sampling["guided_decoding"] = args.guided_decoding  # a JSON string, as Triton's vLLM backend takes it
     if args.lora_name:
         sampling["lora_name"] = args.lora_name
-    inputs = build_inputs(args.prompt, sampling, chat=args.chat)
+    images = [Path(path).read_bytes() for path in args.image]
+    inputs = build_inputs(args.prompt, sampling, chat=args.chat, images=images)
     client.async_stream_infer(args.model, inputs, enable_empty_final_response=True)
     status = 0
     while True:

@@ -135,7 +135,7 @@ class ForwardClock:
         return seconds, end
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Admission:
     request_id: str
     prompt_token_ids: list[int]

@@ -106,6 +106,12 @@ class ImagePromptProcessor:
                 inputs = self._preprocessor.preprocess(prompt, lora_request=lora_request)
             except Exception as error:
                 # vLLM's own words (a prompt without the model's placeholder, too many images, ...).
+                images = len(prompt.get("multi_modal_data", {}).get("image", ()))
+                logger.info("the image prompt of %s (%d image(s)) cannot be processed: %s", request_id, images, error)
                 refused(request_id, f"the image prompt cannot be processed: {type(error).__name__}: {error}")
             else:
-                processed(request_id, inputs)
+                try:
+                    processed(request_id, inputs)
+                except Exception as error:  # the request must still end, and this thread go on
+                    logger.exception("handing over the processed image prompt of %s failed", request_id)
+                    refused(request_id, f"internal error admitting the image prompt: {error}")

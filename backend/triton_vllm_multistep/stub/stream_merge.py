@@ -23,8 +23,9 @@ def merge_deltas(earlier: Any, later: Any) -> Any:
         by_index[completion.index] = completion if before is None else _merge_completion(before, completion)
     return type(later)(
         request_id=later.request_id,
-        prompt=later.prompt,
-        prompt_token_ids=later.prompt_token_ids,
+        # A delta carries the prompt only in a request's first output; the merge keeps it.
+        prompt=later.prompt if later.prompt is not None else earlier.prompt,
+        prompt_token_ids=later.prompt_token_ids if later.prompt_token_ids is not None else earlier.prompt_token_ids,
         prompt_logprobs=later.prompt_logprobs if later.prompt_logprobs is not None else earlier.prompt_logprobs,
         outputs=[by_index[index] for index in sorted(by_index)],
         finished=later.finished,
