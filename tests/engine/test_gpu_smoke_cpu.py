@@ -114,6 +114,23 @@ def test_the_lora_checks_pass_on_their_own_with_two_adapters_constructed_for_the
     assert report["engine"]["num_scheduler_steps"] == 8 and "lora_transformers_seconds" in report["figures"]
 
 
+def test_the_image_checks_pass_on_their_own_with_the_tiny_llava_demo_model(tmp_path: Path) -> None:
+    """`--only image --cpu`: image and text requests in one batch = num_scheduler_steps 1 (engine
+    process) = alone, and the image changes the answer."""
+    report_file = tmp_path / "report.json"
+    code = gpu_smoke.main(["--cpu", "--only", "image", "--model-dir", str(SHIPPED_MODEL), "--json", str(report_file)])
+    report = json.loads(report_file.read_text())
+    checks = {check["name"]: check for check in report["checks"]}
+    assert list(checks) == list(gpu_smoke.IMAGE_CHECKS)
+    assert [name for name, check in checks.items() if not check["passed"] or check["skipped"]] == [], checks
+    assert code == 0
+    steps1, alone, _ = (checks[name]["detail"] for name in gpu_smoke.IMAGE_CHECKS)
+    for request_id in ("image-red", "image-noise", "image-two", "image-text-only"):
+        assert f"{request_id}: 12 tokens, finish length" in steps1 and steps1.count("equal=True") == 4
+        assert f"{request_id}: 12 tokens" in alone and alone.count("equal=True") == 4
+    assert "image_seconds" in report["figures"]
+
+
 def _lora_skips(model: str) -> gpu_smoke.SmokeReport:
     report = gpu_smoke.SmokeReport()
     gpu_smoke.run_lora_checks(report, SimpleNamespace(model=model))

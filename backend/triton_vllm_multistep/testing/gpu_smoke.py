@@ -14,7 +14,11 @@ alone), multi-LoRA: the engine with enable_lora and two adapters (constructed fo
 model by testing/lora.py, or the user's with --lora-adapters) runs the base and the adapters in one
 batch: each must give its tokens alone and those of num_scheduler_steps 1, the adapters must change
 the answer, and (models small enough for transformers on the host) equal the merged-weights
-reference; checks that cannot run are reported skipped, with the reason. `--cpu` runs the same
+reference; checks that cannot run are reported skipped, with the reason. Section "image" (`--only
+image`): the tiny LLaVA demo model (built locally, demo/tiny_llava.py) with the config's engine
+arguments: requests with one and two images and a text request in one batch each give their tokens
+alone and those of num_scheduler_steps 1 (engine process: images cross its pipe), and the image
+changes the answer. `--cpu` runs the same
 checks on the CPU engine (what tests/engine/test_gpu_smoke_cpu.py runs). Must not start Triton,
 and refuses to run without a GPU unless `--cpu` is given. Takes well under 10 minutes on one GPU.
 """
@@ -48,7 +52,12 @@ JSON_SCHEMA = {
 }
 CONSTRAINED_MAX_TOKENS = 64
 PROMPT = [1, 5, 9, 12, 20, 33, 47]  # token ids: every model has them
-SECTIONS = ("engine", "lora")  # --only chooses one
+SECTIONS = ("engine", "lora", "image")  # --only chooses one
+IMAGE_CHECKS = (
+    "image batch = num_scheduler_steps 1",
+    "image batch = alone",
+    "the image changes the answer",
+)
 # Multi-LoRA: the four checks (each passed, failed or skipped with its reason), the adapters constructed
 # for a Llama-style model under test (name → seed, target modules; testing/lora.write_adapter), the
 # config fields that needs, vLLM 0.8.5's allowed max_lora_rank values.
@@ -792,7 +801,8 @@ def run_smoke(
     lora_transformers: str = "auto",
 ) -> SmokeReport:
     """Build the engine as the backend does and run the checks of `sections` ("engine": streaming,
-    cancel, idle, engine process, structured output; "lora": multi-LoRA, `run_lora_checks`); the
+    cancel, idle, engine process, structured output; "lora": multi-LoRA, `run_lora_checks`; "image":
+    image prompts, `run_image_checks`); the
     report says what passed and what was skipped, and why."""
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
@@ -810,8 +820,122 @@ def run_smoke(
         lora_started = time.perf_counter()
         run_lora_checks(report, engine_args, lora_adapters, lora_transformers, user_threads)
         report.figures["lora_seconds"] = time.perf_counter() - lora_started
+    if "image" in sections:
+        if set(sections) - {"image"}:
+            release_engine_memory()
+        image_started = time.perf_counter()
+        run_image_checks(report, engine_args, user_threads)
+        report.figures["image_seconds"] = time.perf_counter() - image_started
     report.figures["total_seconds"] = time.perf_counter() - started
     return report
+
+
+def _image_requests(model_dir: Path) -> dict[str, tuple[list[int], list[Any]]]:
+    """request id → (prompt ids with the model's `<image>` placeholders, images)."""
+    from transformers import AutoTokenizer
+
+    from triton_vllm_multistep.testing import multimodal
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    red, noise = multimodal.solid_image(), multimodal.noise_image()
+    one, two = tokenizer.encode(multimodal.IMAGE_PROMPT), tokenizer.encode(multimodal.TWO_IMAGE_PROMPT)
+    return {
+        "image-red": (one, [red]),
+        "image-noise": (one, [noise]),
+        "image-two": (two, [red, noise]),
+        "image-text-only": (tokenizer.encode(multimodal.TEXT_PROMPT), []),
+    }
+
+
+def run_image_checks(report: SmokeReport, engine_args: Any, user_threads: dict[str, str | None] | None = None) -> None:
+    """The image section: the tiny LLaVA demo model with the config's engine arguments (dtype, steps,
+    attention, ...). Checks: requests with one and two images and a text-only one, queued before the
+    engine steps, each give the tokens they give alone and those of num_scheduler_steps 1 (an engine
+    process, run first: the images cross its pipe as the backend sends them); the image changes the
+    answer."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    from triton_vllm_multistep.demo import models, tiny_llava
+    from triton_vllm_multistep.engine.factory import build_engine
+
+    steps1_name, alone_name, changed_name = IMAGE_CHECKS
+    model_dir = models.build(tiny_llava.NAME)
+    image_args = dataclasses.replace(
+        engine_args,
+        model=str(model_dir),
+        tokenizer=str(model_dir),
+        max_model_len=512,
+        limit_mm_per_prompt={"image": 2},
+        enable_lora=False,
+    )
+    requests = _image_requests(model_dir)
+    max_tokens = engine_args.num_scheduler_steps + 4  # a prefill step, a whole window and a partial one
+
+    def params() -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        )
+
+    def submit_all(runner: Any) -> None:
+        for request_id, (prompt, images) in requests.items():
+            runner.submit(request_id, prompt, params(), images=images)
+
+    print("image:", json.dumps({"model": str(model_dir), "requests": sorted(requests)}), flush=True)
+    try:
+        reference = in_engine_process(
+            image_args,
+            lambda runner, collector: collector.collect({request_id: Stream() for request_id in requests}),
+            before_serve=submit_all,
+            num_scheduler_steps=1,
+        )
+    except Exception as error:
+        failure = f"the num_scheduler_steps 1 engine failed: {type(error).__name__}: {error}"
+        reference = {request_id: Stream(failure=failure) for request_id in requests}
+    loop = smoke_loop(lambda: build_engine(image_args, stream_mode="step"), user_threads)
+    try:
+        engine = loop.start_engine()
+    except Exception as error:
+        for name in IMAGE_CHECKS:
+            report.check(name, False, f"the image model's engine failed to build: {type(error).__name__}: {error}")
+        return
+    try:
+        collector = _Collector(engine)
+        submit_all(loop)
+        loop.serve(collector.sink)
+        batch = collector.collect({request_id: Stream() for request_id in requests})
+        alone = {}
+        for request_id, (prompt, images) in requests.items():
+            loop.submit(request_id, prompt, params(), images=images)
+            alone[request_id] = collector.collect({request_id: Stream()})[request_id]
+    finally:
+        loop.stop()
+        engine.model_executor.shutdown()
+
+    def same(stream: Stream, other: Stream) -> bool:
+        return (
+            stream.failure is None
+            and other.failure is None
+            and len(stream.tokens) == max_tokens
+            and (stream.tokens == other.tokens)
+        )
+
+    for name, others in ((steps1_name, reference), (alone_name, alone)):
+        verdicts = {request_id: same(stream, others[request_id]) for request_id, stream in batch.items()}
+        report.check(
+            name,
+            all(verdicts.values()),
+            "; ".join(
+                f"{request_id}: {stream.outcome()}, equal={verdicts[request_id]}"
+                + ("" if verdicts[request_id] else f" (other: {others[request_id].outcome()})")
+                for request_id, stream in batch.items()
+            ),
+        )
+    answers = {request_id: tuple(stream.tokens) for request_id, stream in batch.items() if stream.failure is None}
+    report.check(
+        changed_name,
+        len(answers) == len(requests) and len(set(answers.values())) == len(requests),
+        "; ".join(f"{request_id}: {list(tokens)}" for request_id, tokens in answers.items()),
+    )
 
 
 def release_engine_memory() -> None:
