@@ -1,8 +1,10 @@
-"""LoRA on vLLM 0.8.5's CPU engine: rows of no adapter (the base model) get no adapter.
+"""LoRA on vLLM 0.8.5's CPU engine: rows of no adapter (the base model) get no adapter, and each
+adapter's rows are computed together.
 
-Owns the correction of vLLM's CPU punica wrapper for rows without an adapter, installed on a built
-CPU engine (any num_scheduler_steps); must not change what rows with an adapter compute, and is
-never used on CUDA, whose punica kernels skip those rows themselves.
+Owns the CPU punica wrapper installed on a built CPU engine (any num_scheduler_steps): the
+correction for rows without an adapter, and grouped LoRA matmuls; must not change what a row's
+LoRA term is (x @ A.T * scale @ B.T of its adapter, 0 without one), and is never used on CUDA,
+whose punica kernels skip those rows themselves.
 
 Why: vLLM marks a row without an adapter with slot index -1 (lora/punica_wrapper/utils.py
 `convert_mapping`). Its CPU ops (lora/ops/torch_ops/lora_ops.py) gather the stacked weights with
@@ -11,6 +13,12 @@ the batch gets that adapter (with `max_loras` 1, any base request beside an adap
 steps 1 as at steps 8 (vLLM PR 48421 describes the same defect). The wrapper below zeroes the
 input of the expand ops for those rows (the shrink buffers, the embedding's A lookup and the
 logits' shrink input), so their LoRA term is exactly 0, as on CUDA.
+
+Why grouped: vLLM's CPU ops gather every row's adapter weights (`lora_b_weights[indices]`, a
+[rows, out, in] copy per projection, per layer, per step) and contract them with an einsum; on
+SmolLM2-135M at 32 rows that was ~200 ms of a ~250 ms forward pass, paid by base-model rows too
+(benchmarks/lora_throughput.py). The wrapper's shrink and expand ops below instead run one matmul
+per adapter present, over that adapter's rows, and none for rows without an adapter.
 """
 
 from __future__ import annotations
@@ -32,16 +40,59 @@ def _without_rows(x: Any, rows: torch.Tensor) -> Any:
     return x.masked_fill(mask, 0)
 
 
+def grouped_lora_matmul(
+    x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, scale: float, add: bool
+) -> None:
+    """out[t] (+)= scale * x[t] @ weights[indices[t]].T, one matmul per adapter slot present; rows of
+    index -1 (no adapter) get nothing added (0 when not adding). `weights`: [slots, (1,) out, in]."""
+    if x.shape[0] != out.shape[0] or indices.shape[0] != x.shape[0]:
+        raise ValueError(f"LoRA rows disagree: x {tuple(x.shape)}, out {tuple(out.shape)}, {indices.shape[0]} indices")
+    stacked = weights.squeeze(1) if weights.dim() == 4 else weights
+    if not add:
+        out.zero_()
+    for slot in torch.unique(indices).tolist():
+        if slot < 0:
+            continue
+        rows = (indices == slot).nonzero().squeeze(1)
+        product = x.index_select(0, rows).to(out.dtype) @ stacked[slot].to(out.dtype).T
+        if scale != 1.0:
+            product.mul_(scale)
+        out.index_add_(0, rows, product)
+
+
 class BaseRowsPunicaWrapperCPU(PunicaWrapperCPU):
-    """vLLM's PunicaWrapperCPU with no LoRA term for rows that have no adapter (index -1)."""
+    """vLLM's PunicaWrapperCPU with no LoRA term for rows that have no adapter (index -1), and its
+    linear and embedding ops grouped by adapter (`grouped_lora_matmul`)."""
 
-    def add_expand(self, y: torch.Tensor, x: Any, *args: Any, **kwargs: Any) -> None:
-        base = self.token_lora_indices == -1
-        super().add_expand(y, _without_rows(x, base) if bool(base.any()) else x, *args, **kwargs)
+    def _prefill_indices(self) -> torch.Tensor:
+        """Per-token slots of a prefill batch, as vLLM's sgmv ops expand them."""
+        _, seq_lens, slots, *_ = self.prefill_metadata
+        return torch.repeat_interleave(slots, seq_lens)
 
-    def add_lora_embedding(self, y: torch.Tensor, x: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        base = self.token_lora_indices == -1
-        super().add_lora_embedding(y, _without_rows(x, base) if bool(base.any()) else x, *args, **kwargs)
+    def _shrink_prefill(self, y: torch.Tensor, x: torch.Tensor, w_t_all: torch.Tensor, scale: float) -> None:
+        if not self.no_lora:
+            grouped_lora_matmul(x, w_t_all, self._prefill_indices(), y[:, : w_t_all.shape[-2]], scale, add=False)
+
+    def _shrink_decode(self, y: torch.Tensor, x: torch.Tensor, w_t_all: torch.Tensor, scale: float) -> None:
+        grouped_lora_matmul(x, w_t_all, self.token_lora_indices, y[:, : w_t_all.shape[-2]], scale, add=False)
+
+    def _expand_prefill(self, y: torch.Tensor, x: torch.Tensor, w_t_all: torch.Tensor, add_inputs: bool) -> None:
+        if not self.no_lora:
+            grouped_lora_matmul(x, w_t_all, self._prefill_indices(), y[:, : w_t_all.shape[-2]], 1.0, add_inputs)
+
+    def _expand_decode(self, y: torch.Tensor, x: torch.Tensor, w_t_all: torch.Tensor, add_inputs: bool) -> None:
+        grouped_lora_matmul(x, w_t_all, self.token_lora_indices, y[:, : w_t_all.shape[-2]], 1.0, add_inputs)
+
+    def _expand_slice_prefill(
+        self, y: torch.Tensor, x: torch.Tensor, w_t_all: torch.Tensor, offset: int, size: int, add_inputs: bool
+    ) -> None:
+        if not self.no_lora:
+            grouped_lora_matmul(x, w_t_all, self._prefill_indices(), y[:, offset : offset + size], 1.0, add_inputs)
+
+    def _expand_slice_decode(
+        self, y: torch.Tensor, x: torch.Tensor, w_t_all: torch.Tensor, offset: int, size: int, add_inputs: bool
+    ) -> None:
+        grouped_lora_matmul(x, w_t_all, self.token_lora_indices, y[:, offset : offset + size], 1.0, add_inputs)
 
     def add_lora_logits(self, y: torch.Tensor, x: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         base = self.sampler_indices == -1
