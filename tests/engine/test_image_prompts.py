@@ -222,3 +222,11 @@ def test_m_rope_models_are_refused_with_multi_step_on_cpu_and_gpu(
         with pytest.raises(EngineBuildError) as on_gpu:
             build_engine(gpu_args, stream_mode="step")
     assert str(on_gpu.value) == str(on_cpu.value)
+
+
+def test_prefix_caching_with_a_multimodal_model_is_a_load_error_not_silently_dropped(model_dir: Path) -> None:
+    """vLLM 0.8.5 (V0) turns prefix caching off for multimodal models with a warning; here it is refused."""
+    for steps in (8, 1):
+        args = EngineArgs(model=str(model_dir), num_scheduler_steps=steps, enable_prefix_caching=True)
+        with pytest.raises(EngineBuildError, match="enable_prefix_caching cannot serve .*a multimodal model"):
+            build_engine(args, stream_mode="step")

@@ -18,7 +18,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 
 from triton_vllm_multistep.engine.events import STREAM_MODES, StreamMode
-from triton_vllm_multistep.engine.multimodal import multi_step_refusal
+from triton_vllm_multistep.engine.multimodal import multi_step_refusal, prefix_caching_refusal
 from triton_vllm_multistep.engine.prefix_cache import count_cached_tokens_afresh
 
 logger = logging.getLogger(__name__)
@@ -193,6 +193,10 @@ def _build_engine(engine_args: EngineArgs, stream_mode: StreamMode) -> LLMEngine
         raise EngineBuildError(f"stream_mode must be one of {', '.join(STREAM_MODES)}, got {stream_mode!r}")
     args = dataclasses.replace(engine_args, multi_step_stream_outputs=stream_mode == "step")
     refuse_pipeline_parallel(args)
+    if args.enable_prefix_caching:
+        refusal = prefix_caching_refusal(args.create_model_config())
+        if refusal is not None:
+            raise EngineBuildError(refusal)
     if current_platform.is_cpu():
         from triton_vllm_multistep.engine.cpu_attention import check_cpu_attention
 

@@ -60,6 +60,21 @@ def multi_step_refusal(model_config: ModelConfig, steps: int) -> str | None:
     return f"num_scheduler_steps={steps} cannot serve this model: {reason}; {_FIX}"
 
 
+PREFIX_CACHING_REFUSAL = (
+    "enable_prefix_caching cannot serve {model}, a multimodal model: vLLM 0.8.5's V0 prefix cache keys "
+    "blocks by token ids only (vllm/sequence.py Sequence.extra_hash), so two prompts with different images "
+    "would share the cached blocks of their image placeholders; vLLM itself turns it off for such models "
+    "(engine/arg_utils.py), which would leave the setting silently unapplied: remove enable_prefix_caching"
+)
+
+
+def prefix_caching_refusal(model_config: ModelConfig) -> str | None:
+    """Why prefix caching cannot be on for this model (None: it can)."""
+    if model_config.is_multimodal_model:
+        return PREFIX_CACHING_REFUSAL.format(model=model_config.model)
+    return None
+
+
 def images_per_prompt(model_config: ModelConfig) -> int:
     """How many images vLLM lets one prompt hold (`limit_mm_per_prompt`, 1 unless set); 0 for text-only models."""
     if not model_config.is_multimodal_model or model_config.multimodal_config is None:
