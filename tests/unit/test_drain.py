@@ -56,6 +56,19 @@ def test_command_line_of_a_process() -> None:
     assert triton_command.of_process(2**22 + 12345) is None  # no such process
 
 
+def test_a_process_age_is_read_from_proc_to_the_clock_tick() -> None:
+    """The probe's --timeout counts from its process's start (the kubelet's timeoutSeconds does)."""
+    child = subprocess.Popen(["sleep", "5"])
+    try:
+        time.sleep(0.6)
+        age = procfs.age(child.pid)
+        assert age is not None and 0.5 <= age < 3.0, age
+    finally:
+        child.kill()
+        child.wait()
+    assert procfs.age(child.pid) is None  # gone
+
+
 def test_drain_seconds_leave_a_margin_of_the_exit_timeout() -> None:
     assert drain.drain_seconds(None, 30.0) == 25.0
     assert drain.drain_seconds(None, triton_command.exit_timeout_of(None)) == 25.0  # Triton's default exit timeout

@@ -15,7 +15,7 @@ from pathlib import Path
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.demo import smollm2
 from triton_vllm_multistep.host import launcher, probe
-from triton_vllm_multistep.lifecycle import server_drain, triton_command
+from triton_vllm_multistep.lifecycle import procfs, server_drain, triton_command
 from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV
 
 
@@ -62,8 +62,14 @@ def _drain(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _probe(args: argparse.Namespace, rest: list[str]) -> int:
+    # --timeout counts from the process's start: the kubelet's timeoutSeconds includes the interpreter's
+    # start-up and imports, which take a second or more on a loaded node.
+    started = procfs.age(os.getpid()) or 0.0
     healthy, lines = probe.run(
-        args.drain_file or os.environ.get(DRAIN_FILE_ENV), args.model, args.readiness, args.timeout
+        args.drain_file or os.environ.get(DRAIN_FILE_ENV),
+        args.model,
+        args.readiness,
+        max(probe.MIN_TIMEOUT_SECONDS, args.timeout - started),
     )
     print("\n".join(lines), file=sys.stdout if healthy else sys.stderr)
     return 0 if healthy else 1
@@ -135,7 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     checks.add_argument("--model", action="append", default=[], help="model to check (default: --load-model's)")
     checks.add_argument("--readiness", action="store_true", help="a server asked to drain is not ready either")
-    checks.add_argument("--timeout", type=float, default=probe.DEFAULT_TIMEOUT_SECONDS, help="seconds in all")
+    checks.add_argument(
+        "--timeout",
+        type=float,
+        default=probe.DEFAULT_TIMEOUT_SECONDS,
+        help="seconds in all, counted from the process's start",
+    )
     checks.add_argument("--drain-file", default=None, help=f"the server's {DRAIN_FILE_ENV} (default: from the env)")
     checks.set_defaults(handler=_probe)
     install = commands.add_parser(

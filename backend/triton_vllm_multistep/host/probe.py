@@ -49,6 +49,7 @@ ENGINE_ALIVE_METRIC = "vllm_multistep:engine_alive"
 TRITON_DEFAULT_METRICS_PORT = 8002
 # Within the manifests' exec-probe timeoutSeconds (4 s and more), process start included.
 DEFAULT_TIMEOUT_SECONDS = 3.0
+MIN_TIMEOUT_SECONDS = 0.5  # what the checks get however long the start-up took
 
 
 class ProbeError(RuntimeError):

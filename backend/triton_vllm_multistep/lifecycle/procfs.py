@@ -62,6 +62,16 @@ def started_at(pid: int) -> float | None:
     return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
+def age(pid: int) -> float | None:
+    """How long process `pid` has been running, in seconds (clock-tick resolution)."""
+    try:
+        ticks = int(_stat_fields(pid)[19])
+        uptime = float((PROC / "uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
 def pids() -> list[int]:
     return [int(entry.name) for entry in PROC.iterdir() if entry.name.isdigit()]
 
