@@ -10,15 +10,14 @@ Why: vLLM marks a row without an adapter with slot index -1 (lora/punica_wrapper
 `convert_mapping`). Its CPU ops (lora/ops/torch_ops/lora_ops.py) gather the stacked weights with
 that index, and -1 selects the LAST slot: when an adapter occupies it, every base-model row of
 the batch gets that adapter (with `max_loras` 1, any base request beside an adapter request), at
-steps 1 as at steps 8 (vLLM PR 48421 describes the same defect). The wrapper below zeroes the
-input of the expand ops for those rows (the shrink buffers, the embedding's A lookup and the
-logits' shrink input), so their LoRA term is exactly 0, as on CUDA.
+steps 1 as at steps 8 (vLLM PR 48421 describes the same defect). The wrapper's ops below skip
+those rows (linear layers, the embedding, the logits), so their LoRA term is exactly 0, as on CUDA.
 
 Why grouped: vLLM's CPU ops gather every row's adapter weights (`lora_b_weights[indices]`, a
-[rows, out, in] copy per projection, per layer, per step) and contract them with an einsum; on
-SmolLM2-135M at 32 rows that was ~200 ms of a ~250 ms forward pass, paid by base-model rows too
-(benchmarks/lora_throughput.py). The wrapper's shrink and expand ops below instead run one matmul
-per adapter present, over that adapter's rows, and none for rows without an adapter.
+[rows, out, in] copy per projection, per layer, per step; for the logits [rows, vocabulary, rank])
+and contract them with an einsum; on SmolLM2-135M at 32 rows that was ~200 ms of a ~250 ms forward
+pass, paid by base-model rows too (benchmarks/lora_throughput.py). The wrapper's ops below instead
+run one matmul per adapter present, over that adapter's rows, and none for rows without an adapter.
 """
 
 from __future__ import annotations
@@ -30,14 +29,6 @@ import torch
 from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
 logger = logging.getLogger(__name__)
-
-
-def _without_rows(x: Any, rows: torch.Tensor) -> Any:
-    """`x` (a tensor of rows, or of slices of rows, or a tuple of either) with `rows` zeroed, as a copy."""
-    if isinstance(x, tuple | list):
-        return type(x)(_without_rows(t, rows) for t in x)
-    mask = rows.view(-1, 1) if x.dim() == 2 else rows.view(1, -1, 1)
-    return x.masked_fill(mask, 0)
 
 
 def grouped_lora_matmul(
@@ -94,11 +85,27 @@ class BaseRowsPunicaWrapperCPU(PunicaWrapperCPU):
     ) -> None:
         grouped_lora_matmul(x, w_t_all, self.token_lora_indices, y[:, offset : offset + size], 1.0, add_inputs)
 
-    def add_lora_logits(self, y: torch.Tensor, x: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        base = self.sampler_indices == -1
-        if bool(base.any()):
-            x = _without_rows(x.view(-1, x.shape[-1]), base)
-        super().add_lora_logits(y, x, *args, **kwargs)
+    def add_lora_logits(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a_stacked: torch.Tensor,
+        lora_b_stacked: torch.Tensor,
+        scale: float,
+        *,
+        buffer: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """vLLM's `y += (x @ A.T * scale) @ B.T` per row of the sampler's adapter, grouped: its CPU
+        version gathers a [rows, vocabulary, rank] copy of B for every step."""
+        y_rows = y.view(-1, y.shape[-1])
+        x_rows = x.view(-1, x.shape[-1])
+        rank = lora_b_stacked.size(-1)
+        if buffer is None:
+            buffer = torch.zeros((x_rows.size(0), rank), dtype=torch.float32, device=x_rows.device)
+        indices = self.sampler_indices
+        grouped_lora_matmul(x_rows, lora_a_stacked, indices, buffer[:, :rank], scale, add=False)
+        grouped_lora_matmul(buffer, lora_b_stacked, indices, y_rows[:, : lora_b_stacked.shape[-2]], 1.0, add=True)
 
 
 def correct_base_rows(engine: Any) -> bool:
