@@ -43,7 +43,11 @@ def test_config_parameters_are_read_as_tritons_parser_reads_them() -> None:
 
 
 def test_every_smoke_check_passes_on_the_cpu_engine_from_the_shipped_cpu_config(tmp_path: Path) -> None:
-    engine_args, settings = gpu_smoke.engine_args_from_config(SHIPPED_MODEL, SHIPPED_MODEL / "configs" / "cpu.pbtxt")
+    """The engine section, the shipped CPU config's settings with the demo model (`--model`, as a user
+    checks another model; SmolLM2's own run of the script is the LoRA section's test below)."""
+    engine_args, settings = gpu_smoke.engine_args_from_config(
+        SHIPPED_MODEL, SHIPPED_MODEL / "configs" / "cpu.pbtxt", model="demo://tiny-llama-bpe"
+    )
     assert engine_args.dtype == "float32" and settings.stream_mode == "step"
     report = gpu_smoke.run_smoke(engine_args, sections=("engine",))  # LoRA: its own test below
     assert [c.name for c in report.checks if not c.passed] == []

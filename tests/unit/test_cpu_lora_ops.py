@@ -10,7 +10,7 @@ import pytest
 import torch
 from vllm.lora.ops.torch_ops import bgmv_expand, bgmv_expand_slice, bgmv_shrink
 
-from triton_vllm_multistep.engine.cpu_lora import grouped_lora_matmul
+from triton_vllm_multistep.engine.cpu_lora import grouped_lora_matmul, slot_rows
 
 SLOTS, RANK, HIDDEN, OUT = 3, 8, 48, 80
 INDICES = torch.tensor([0, 2, -1, 1, 2, -1, 0, 0])
@@ -61,3 +61,19 @@ def test_expand_and_expand_slice_equal_vllms_for_rows_with_an_adapter(add: bool)
 def test_rows_that_disagree_are_an_error_not_a_silent_broadcast() -> None:
     with pytest.raises(ValueError, match="LoRA rows disagree"):
         grouped_lora_matmul(torch.zeros(2, RANK), _weights(OUT, RANK, 6), INDICES, torch.zeros(2, OUT), 1.0, True)
+
+
+def test_precomputed_slot_rows_and_a_batch_of_one_adapter_give_the_same_result() -> None:
+    x = torch.randn(len(INDICES), HIDDEN, generator=torch.Generator().manual_seed(7))
+    lora_a = _weights(RANK, HIDDEN, 8)
+    direct, grouped = torch.zeros(len(INDICES), RANK), torch.zeros(len(INDICES), RANK)
+    grouped_lora_matmul(x, lora_a, INDICES, direct, 2.0, add=False)
+    grouped_lora_matmul(x, lora_a, slot_rows(INDICES), grouped, 2.0, add=False)
+    torch.testing.assert_close(direct, grouped, rtol=0, atol=0)
+    same = torch.full((len(INDICES),), 1)
+    assert slot_rows(same) == [(1, None)]  # every row one adapter: no gather, no scatter
+    whole, vllms = torch.zeros(len(INDICES), RANK), torch.zeros(len(INDICES), RANK)
+    grouped_lora_matmul(x, lora_a, slot_rows(same), whole, 2.0, add=False)
+    bgmv_shrink(x, lora_a, vllms, same, 2.0)
+    torch.testing.assert_close(whole, vllms, rtol=1e-5, atol=1e-5)
+    assert slot_rows(torch.full((3,), -1)) == []  # the base model alone: nothing to compute

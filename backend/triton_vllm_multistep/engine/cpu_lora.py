@@ -31,29 +31,65 @@ from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 logger = logging.getLogger(__name__)
 
 
+# (adapter slot, its rows; None when the slot has every row) for each slot present
+SlotRows = list[tuple[int, torch.Tensor | None]]
+
+
+def slot_rows(indices: torch.Tensor) -> SlotRows:
+    """Group the rows of a batch by adapter slot; rows of index -1 (no adapter) are in no group."""
+    slots = [slot for slot in torch.unique(indices).tolist() if slot >= 0]
+    if len(slots) == 1 and bool((indices == slots[0]).all()):
+        return [(slots[0], None)]
+    return [(slot, (indices == slot).nonzero().squeeze(1)) for slot in slots]
+
+
 def grouped_lora_matmul(
-    x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, scale: float, add: bool
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor | SlotRows,
+    out: torch.Tensor,
+    scale: float,
+    add: bool,
 ) -> None:
     """out[t] (+)= scale * x[t] @ weights[indices[t]].T, one matmul per adapter slot present; rows of
-    index -1 (no adapter) get nothing added (0 when not adding). `weights`: [slots, (1,) out, in]."""
-    if x.shape[0] != out.shape[0] or indices.shape[0] != x.shape[0]:
-        raise ValueError(f"LoRA rows disagree: x {tuple(x.shape)}, out {tuple(out.shape)}, {indices.shape[0]} indices")
+    index -1 (no adapter) get nothing added (0 when not adding). `weights`: [slots, (1,) out, in];
+    `indices`: per-row slots, or their `slot_rows` grouping."""
+    rows_count = sum(0 if rows is None else len(rows) for _, rows in indices) if isinstance(indices, list) else None
+    if x.shape[0] != out.shape[0] or (rows_count is None and indices.shape[0] != x.shape[0]):
+        count = indices.shape[0] if rows_count is None else rows_count
+        raise ValueError(f"LoRA rows disagree: x {tuple(x.shape)}, out {tuple(out.shape)}, {count} indices")
+    groups = indices if isinstance(indices, list) else slot_rows(indices)
     stacked = weights.squeeze(1) if weights.dim() == 4 else weights
     if not add:
         out.zero_()
-    for slot in torch.unique(indices).tolist():
-        if slot < 0:
-            continue
-        rows = (indices == slot).nonzero().squeeze(1)
-        product = x.index_select(0, rows).to(out.dtype) @ stacked[slot].to(out.dtype).T
+    for slot, rows in groups:
+        inputs = x if rows is None else x.index_select(0, rows)
+        product = inputs.to(out.dtype) @ stacked[slot].to(out.dtype).T
         if scale != 1.0:
             product.mul_(scale)
-        out.index_add_(0, rows, product)
+        if rows is None:
+            out.add_(product)
+        else:
+            out.index_add_(0, rows, product)
 
 
 class BaseRowsPunicaWrapperCPU(PunicaWrapperCPU):
     """vLLM's PunicaWrapperCPU with no LoRA term for rows that have no adapter (index -1), and its
     linear and embedding ops grouped by adapter (`grouped_lora_matmul`)."""
+
+    def _decode_rows(self, indices: torch.Tensor) -> SlotRows:
+        """`slot_rows` of the wrapper's per-token or sampler indices, computed once per mapping: vLLM
+        refills these buffers in place when the mapping changes (which bumps their version)."""
+        key = (indices.data_ptr(), indices.shape[0], indices._version)
+        cache: dict[tuple[int, int, int], SlotRows] = self.__dict__.setdefault("_slot_rows_cache", {})
+        if key not in cache:
+            if len(cache) > 8:
+                cache.clear()
+            cache[key] = slot_rows(indices)
+        return cache[key]
+
+    def _token_rows(self) -> SlotRows:
+        return self._decode_rows(self.token_lora_indices)
 
     def _prefill_indices(self) -> torch.Tensor:
         """Per-token slots of a prefill batch, as vLLM's sgmv ops expand them."""
@@ -65,14 +101,14 @@ class BaseRowsPunicaWrapperCPU(PunicaWrapperCPU):
             grouped_lora_matmul(x, w_t_all, self._prefill_indices(), y[:, : w_t_all.shape[-2]], scale, add=False)
 
     def _shrink_decode(self, y: torch.Tensor, x: torch.Tensor, w_t_all: torch.Tensor, scale: float) -> None:
-        grouped_lora_matmul(x, w_t_all, self.token_lora_indices, y[:, : w_t_all.shape[-2]], scale, add=False)
+        grouped_lora_matmul(x, w_t_all, self._token_rows(), y[:, : w_t_all.shape[-2]], scale, add=False)
 
     def _expand_prefill(self, y: torch.Tensor, x: torch.Tensor, w_t_all: torch.Tensor, add_inputs: bool) -> None:
         if not self.no_lora:
             grouped_lora_matmul(x, w_t_all, self._prefill_indices(), y[:, : w_t_all.shape[-2]], 1.0, add_inputs)
 
     def _expand_decode(self, y: torch.Tensor, x: torch.Tensor, w_t_all: torch.Tensor, add_inputs: bool) -> None:
-        grouped_lora_matmul(x, w_t_all, self.token_lora_indices, y[:, : w_t_all.shape[-2]], 1.0, add_inputs)
+        grouped_lora_matmul(x, w_t_all, self._token_rows(), y[:, : w_t_all.shape[-2]], 1.0, add_inputs)
 
     def _expand_slice_prefill(
         self, y: torch.Tensor, x: torch.Tensor, w_t_all: torch.Tensor, offset: int, size: int, add_inputs: bool
@@ -83,7 +119,7 @@ class BaseRowsPunicaWrapperCPU(PunicaWrapperCPU):
     def _expand_slice_decode(
         self, y: torch.Tensor, x: torch.Tensor, w_t_all: torch.Tensor, offset: int, size: int, add_inputs: bool
     ) -> None:
-        grouped_lora_matmul(x, w_t_all, self.token_lora_indices, y[:, offset : offset + size], 1.0, add_inputs)
+        grouped_lora_matmul(x, w_t_all, self._token_rows(), y[:, offset : offset + size], 1.0, add_inputs)
 
     def add_lora_logits(
         self,
@@ -103,7 +139,7 @@ class BaseRowsPunicaWrapperCPU(PunicaWrapperCPU):
         rank = lora_b_stacked.size(-1)
         if buffer is None:
             buffer = torch.zeros((x_rows.size(0), rank), dtype=torch.float32, device=x_rows.device)
-        indices = self.sampler_indices
+        indices = self._decode_rows(self.sampler_indices)
         grouped_lora_matmul(x_rows, lora_a_stacked, indices, buffer[:, :rank], scale, add=False)
         grouped_lora_matmul(buffer, lora_b_stacked, indices, y_rows[:, : lora_b_stacked.shape[-2]], 1.0, add=True)
 
