@@ -1,8 +1,9 @@
 """scripts/gpu_smoke.sh's checks, run here on the CPU engine (`--cpu`): the same code path users
 run on a GPU host, minus CUDA (structured output included); its refusal to run without a GPU; and
 an engine's refusal of structured output failing the structured-output checks with its words.
-The LoRA section runs by itself (`--only lora`), with two adapters constructed for the shipped model;
-models it cannot construct adapters for skip its checks, saying why, and never pass."""
+The engine section runs the shipped CPU config and model; the LoRA section by itself (`--only lora`),
+on the shipped config with the demo model (`--model`) and two adapters constructed for it; models it cannot construct
+adapters for skip its checks, saying why, and never pass. The image section runs the tiny LLaVA."""
 
 from __future__ import annotations
 
@@ -43,11 +44,9 @@ def test_config_parameters_are_read_as_tritons_parser_reads_them() -> None:
 
 
 def test_every_smoke_check_passes_on_the_cpu_engine_from_the_shipped_cpu_config(tmp_path: Path) -> None:
-    """The engine section, the shipped CPU config's settings with the demo model (`--model`, as a user
-    checks another model; SmolLM2's own run of the script is the LoRA section's test below)."""
-    engine_args, settings = gpu_smoke.engine_args_from_config(
-        SHIPPED_MODEL, SHIPPED_MODEL / "configs" / "cpu.pbtxt", model="demo://tiny-llama-bpe"
-    )
+    """The engine section on the shipped CPU config and model (its JSON-schema request completes on a
+    real model's answers; a random demo model runs out of tokens inside the object)."""
+    engine_args, settings = gpu_smoke.engine_args_from_config(SHIPPED_MODEL, SHIPPED_MODEL / "configs" / "cpu.pbtxt")
     assert engine_args.dtype == "float32" and settings.stream_mode == "step"
     report = gpu_smoke.run_smoke(engine_args, sections=("engine",))  # LoRA: its own test below
     assert [c.name for c in report.checks if not c.passed] == []
@@ -98,11 +97,13 @@ def test_constrained_output_is_judged_by_its_constraint() -> None:
     assert not gpu_smoke.obeys_constraint("structured-json", stream('{"answer": "no", "cert', "length"))
 
 
-def test_the_lora_checks_pass_on_their_own_with_two_adapters_constructed_for_the_shipped_model(tmp_path: Path) -> None:
+def test_the_lora_checks_pass_on_their_own_with_two_adapters_constructed_for_the_model(tmp_path: Path) -> None:
     """`--only lora --cpu`: base + two adapters mixed in one batch = alone = num_scheduler_steps 1, the
-    adapters change the answer, and (SmolLM2-135M, small enough) = transformers with the adapter merged."""
+    adapters change the answer, and = transformers with the adapter merged; the shipped config with the
+    demo model (`--model`; SmolLM2 with its LoRA adapters served: e2e/test_lora_real_model.py)."""
     report_file = tmp_path / "report.json"
-    code = gpu_smoke.main(["--cpu", "--only", "lora", "--model-dir", str(SHIPPED_MODEL), "--json", str(report_file)])
+    model = ["--model-dir", str(SHIPPED_MODEL), "--model", "demo://tiny-llama-bpe"]
+    code = gpu_smoke.main(["--cpu", "--only", "lora", *model, "--json", str(report_file)])
     report = json.loads(report_file.read_text())
     checks = {check["name"]: check for check in report["checks"]}
     assert list(checks) == list(gpu_smoke.LORA_CHECKS)
