@@ -13,7 +13,7 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -251,14 +251,24 @@ def build(name: str, root: Path | None = None, force: bool = False) -> Path:
     target = (root or cache_root()) / name
     if (target / "model.safetensors").exists() and not force:
         return target
+
+    def write(staging: Path) -> None:
+        _write_model(spec, staging, _write_tokenizer(spec, staging))
+
+    return publish(target, write)
+
+
+def publish(target: Path, write: Callable[[Path], None]) -> Path:
+    """Build a model folder with `write(staging)` beside `target`, then rename it into place.
+
+    Atomic publish: concurrent builders of the same deterministic content cannot clash (a builder
+    that finds the folder already published by another keeps that one)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        vocab_size = _write_tokenizer(spec, staging)
-        _write_model(spec, staging, vocab_size)
+        write(staging)
         if target.exists():
             shutil.rmtree(target)
-        # Atomic publish: concurrent builders of the same deterministic content cannot clash.
         try:
             staging.rename(target)
         except OSError:

@@ -9,8 +9,6 @@ tiny-llama-bpe's plus an `<image>` token; must not download anything.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -170,19 +168,9 @@ def build(root: Path, force: bool = False) -> Path:
     if (target / "model.safetensors").exists() and not force:
         return target
     base = models.build(BASE_MODEL, root)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=target.parent))
-    try:
+
+    def write(staging: Path) -> None:
         vocab_size, image_token_index = _write_processor(base, staging)
         _write_model(staging, vocab_size, image_token_index)
-        if target.exists():
-            shutil.rmtree(target)
-        # Atomic publish, as models.build: concurrent builders of the same content cannot clash.
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "model.safetensors").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+    return models.publish(target, write)
