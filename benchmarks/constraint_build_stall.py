@@ -17,11 +17,7 @@ import time
 os.environ.setdefault("VLLM_USE_V1", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-
-def wait_until(condition: object, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:  # type: ignore[operator]
-        time.sleep(0.05)
+from triton_vllm_multistep.testing.polling import wait_for
 
 
 def measure(backend: str, model: str, fields: int) -> tuple[float, float, float]:
@@ -47,7 +43,7 @@ def measure(backend: str, model: str, fields: int) -> tuple[float, float, float]
     loop.serve(sink)
     delta = RequestOutputKind.DELTA
     loop.submit("plain", [1, 2, 3], SamplingParams(max_tokens=1900, ignore_eos=True, temperature=0, output_kind=delta))
-    wait_until(lambda: len(times) >= 30, 300)  # the stream runs steadily (a loaded host starts slowly)
+    wait_for(lambda: len(times) >= 30, 300, interval=0.05)  # the stream runs steadily (a loaded host starts slowly)
     schema = {
         "type": "object",
         "properties": {f"f{i}": {"type": "string"} if i % 2 else {"type": "integer"} for i in range(fields)},
@@ -56,10 +52,10 @@ def measure(backend: str, model: str, fields: int) -> tuple[float, float, float]
     submitted = time.perf_counter()
     guided = GuidedDecodingParams(json=schema, backend=backend)
     loop.submit("g", [1, 5, 9], SamplingParams(max_tokens=8, guided_decoding=guided, output_kind=delta))
-    wait_until(lambda: bool(constrained), 300)
+    wait_for(lambda: bool(constrained), 300, interval=0.05)
     built = constrained[0] - submitted
     count = len(times)
-    wait_until(lambda: len(times) >= count + 20, 300)
+    wait_for(lambda: len(times) >= count + 20, 300, interval=0.05)
     loop.shutdown()
     gaps = list(itertools.pairwise(times))
     before = sorted(b - a for a, b in gaps if b < submitted)

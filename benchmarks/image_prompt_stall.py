@@ -22,11 +22,7 @@ import time
 os.environ.setdefault("VLLM_USE_V1", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-
-def wait_until(condition: object, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:  # type: ignore[operator]
-        time.sleep(0.02)
+from triton_vllm_multistep.testing.polling import wait_for
 
 
 def main() -> None:
@@ -66,7 +62,7 @@ def main() -> None:
     delta = RequestOutputKind.DELTA
     text = SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0, output_kind=delta)
     loop.submit("plain", [1, 2, 3], text)
-    wait_until(lambda: len(times) >= 30, 300)
+    wait_for(lambda: len(times) >= 30, 300, interval=0.02)
     print(f"tiny-llava, 8 steps, a running text stream; bursts of {args.burst} image requests (max_tokens 1)")
     for size in args.sizes:
         # Distinct images: vLLM caches processed items by their hash.
@@ -79,10 +75,10 @@ def main() -> None:
         for index in range(args.burst):
             params = SamplingParams(max_tokens=1, temperature=0, output_kind=delta)
             loop.submit(f"image-{size}-{index}", prompt_ids, params, images=[burst[index]])
-        wait_until(lambda: len(images_done) >= args.burst, 600)
+        wait_for(lambda: len(images_done) >= args.burst, 600, interval=0.02)
         finished = time.perf_counter()
         count = len(times)
-        wait_until(lambda count=count: len(times) >= count + 10, 300)
+        wait_for(lambda count=count: len(times) >= count + 10, 300, interval=0.02)
         gaps = list(itertools.pairwise(times))
         before = [b - a for a, b in gaps if b < submitted][-50:]
         during = [b - a for a, b in gaps if submitted <= b <= finished + 0.5]
