@@ -195,3 +195,46 @@ def test_a_request_vllm_cannot_prepare_fails_alone_and_the_engine_keeps_serving(
     finally:
         loop.stop()
         engine.model_executor.shutdown()
+
+
+def test_an_abort_before_admission_is_never_lost_plain_or_prepared_off_the_thread() -> None:
+    """Submitted and aborted before the engine thread admits them (here: before it serves at all),
+    a plain request and a constrained one (its constraint built on the builder thread meanwhile)
+    never reach the engine, however the threads interleave; the engine serves on."""
+    from vllm.sampling_params import GuidedDecodingParams
+
+    events: list[object] = []
+    loop = EngineLoop(lambda: build_engine(_args(steps=4), stream_mode="step"))
+    engine = loop.start_engine()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    constrained = SamplingParams(
+        max_tokens=6, temperature=0.0, guided_decoding=GuidedDecodingParams(choice=["yes", "no"])
+    )
+    try:
+        loop.submit("plain", [1, 5, 9, 12], params)
+        loop.submit("constrained", [1, 5, 9, 12], constrained)
+        loop.abort("plain")
+        loop.abort("constrained")
+        loop.submit("kept", [1, 5, 9, 12], params)
+        loop.serve(events.append)
+        deadline = time.monotonic() + 120
+        while not _finished(events, "kept") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # Served after the aborted ones would have been: a request admitted later still runs.
+        loop.submit("after", [1, 5, 9, 12], params)
+        while not _finished(events, "after") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _finished(events, "kept") and _finished(events, "after")
+        seen = {o.request_id for e in events if isinstance(e, StepOutputs) for o in e.outputs}
+        assert seen == {"kept", "after"}
+        assert not any(isinstance(e, RequestFailed | EngineDied) for e in events) and loop.healthy
+        assert not engine.has_unfinished_requests()
+    finally:
+        loop.stop()
+        engine.model_executor.shutdown()
+
+
+def _finished(events: list[object], request_id: str) -> bool:
+    return any(
+        o.request_id == request_id and o.finished for e in list(events) if isinstance(e, StepOutputs) for o in e.outputs
+    )

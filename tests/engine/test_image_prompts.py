@@ -180,16 +180,18 @@ def test_a_prompt_the_processor_cannot_take_fails_alone_and_an_abort_while_proce
     loop = EngineLoop(lambda: build_engine(args, stream_mode="step"))
     loop.start_engine()
     collector = Collector(4)
+    red = multimodal.solid_image()
     try:
+        # Aborted before the engine thread serves: whether its prompt is still being processed or
+        # already queued for admission when the abort is handled, it never reaches the engine.
+        loop.submit("aborted", tokenizer.encode(multimodal.IMAGE_PROMPT), _params(), images=[red])
+        loop.abort("aborted")
         loop.serve(collector.sink)
-        red = multimodal.solid_image()
         loop.submit("no-placeholder", tokenizer.encode(multimodal.TEXT_PROMPT), _params(), images=[red])
         loop.submit("good", tokenizer.encode(multimodal.IMAGE_PROMPT), _params(), images=[red])
         loop.submit("text", tokenizer.encode(multimodal.TEXT_PROMPT), _params())
         # Two placeholders for one image, beyond this engine's limit of one image per prompt.
         loop.submit("too-many", tokenizer.encode(multimodal.TWO_IMAGE_PROMPT), _params(), images=[red, red])
-        loop.submit("aborted", tokenizer.encode(multimodal.IMAGE_PROMPT), _params(), images=[red])
-        loop.abort("aborted")
         assert collector.done.wait(300), collector.failed
     finally:
         loop.shutdown()

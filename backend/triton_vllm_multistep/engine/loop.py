@@ -143,6 +143,7 @@ class _Admission:
     lora_request: LoRARequest | None = None
     images: Sequence[Any] = ()  # decoded RGB images for the prompt's placeholders, in order
     processed: Any = None  # vLLM's processed inputs of an image prompt (engine/multimodal.py)
+    aborted: bool = False  # aborted before the engine thread admitted it: never admitted
 
 
 class EngineLoop:
@@ -183,14 +184,15 @@ class EngineLoop:
         self._in_engine: set[str] = set()
         # best_of requests: request id → all candidate sequences (vLLM returns only the best n).
         self._candidates: dict[str, list] = {}
-        # Requests prepared off this thread before admission (image prompts processed, then
-        # constraints built: engine/multimodal.py, engine/constraints.py), those aborted meanwhile,
-        # and the constraints that failed in the last step.
+        # Every request submitted and not yet admitted or refused, by id: an abort marks it here
+        # whether it is queued for admission or still being prepared off this thread (image
+        # prompts processed, then constraints built: engine/multimodal.py, engine/constraints.py),
+        # so that no abort is lost between submission and admission. Then the constraints that
+        # failed in the last step.
         self._builder: ConstraintBuilder | None = None
         self._image_processor: ImagePromptProcessor | None = None
-        self._building: dict[str, _Admission] = {}
-        self._abandoned: set[str] = set()
-        self._building_lock = threading.Lock()
+        self._pending: dict[str, _Admission] = {}
+        self._pending_lock = threading.Lock()
         self._constraint_failures: list[tuple[str, str]] = []
         # Set once the engine thread has settled an idle engine (window closed, workers released).
         self.settled = threading.Event()
@@ -257,9 +259,9 @@ class EngineLoop:
         """Queue a request for the engine thread; `lora_request` names its adapter (None: the base
         model), `images` are the decoded images its prompt's placeholders stand for."""
         item = _Admission(request_id, prompt_token_ids, params, lora_request, tuple(images))
+        with self._pending_lock:
+            self._pending[request_id] = item
         if images or params.guided_decoding is not None:
-            with self._building_lock:
-                self._building[request_id] = item
             self._prepare(item)
             return
         self._admissions.append(item)
@@ -268,7 +270,7 @@ class EngineLoop:
     def _prepare(self, item: _Admission) -> None:
         """Hand a request to its next preparation thread, or admit it once prepared."""
         if item.images and item.processed is None:
-            with self._building_lock:
+            with self._pending_lock:
                 if self._image_processor is None:
                     self._image_processor = ImagePromptProcessor(self.engine)
             prompt = image_prompt(item.prompt_token_ids, item.images)
@@ -276,28 +278,23 @@ class EngineLoop:
                 item.request_id, prompt, item.lora_request, self._image_processed, self._refused
             )
         elif item.params.guided_decoding is not None:
-            with self._building_lock:
+            with self._pending_lock:
                 if self._builder is None:
                     self._builder = ConstraintBuilder(self.engine, self._constraint_failures)
             self._builder.submit(item.request_id, item.params, self._constraint_built, self._refused)
         else:
-            with self._building_lock:
-                prepared = self._building.pop(item.request_id, None) is not None
-                if item.request_id in self._abandoned:
-                    self._abandoned.discard(item.request_id)
-                    return
-            if prepared:
-                self._admissions.append(item)
-                self._wake.set()
+            # Prepared: the engine thread admits it, or drops it if it was aborted meanwhile.
+            self._admissions.append(item)
+            self._wake.set()
 
     def _still_wanted(self, request_id: str) -> _Admission | None:
         """A preparation thread's request, unless it was aborted meanwhile (then forgotten)."""
-        with self._building_lock:
-            if request_id in self._abandoned:
-                self._abandoned.discard(request_id)
-                self._building.pop(request_id, None)
+        with self._pending_lock:
+            item = self._pending.get(request_id)
+            if item is not None and item.aborted:
+                del self._pending[request_id]
                 return None
-            return self._building.get(request_id)
+            return item
 
     def _image_processed(self, request_id: str, processed: Any) -> None:
         """Image prompt thread: the prompt is processed; on to its constraint or admission."""
@@ -313,10 +310,9 @@ class EngineLoop:
 
     def _refused(self, request_id: str, message: str) -> None:
         """A preparation thread could not prepare the request; it fails alone."""
-        with self._building_lock:
-            self._building.pop(request_id, None)
-            if request_id in self._abandoned:
-                self._abandoned.discard(request_id)
+        with self._pending_lock:
+            item = self._pending.pop(request_id, None)
+            if item is None or item.aborted:
                 return
         self._sink(RequestFailed(request_id, message))
 
@@ -347,15 +343,20 @@ class EngineLoop:
     def _admit_and_abort(self) -> None:
         while self._aborts:
             request_id = self._aborts.popleft()
-            with self._building_lock:
-                if request_id in self._building:
-                    self._abandoned.add(request_id)  # dropped once its constraint is built
+            with self._pending_lock:
+                if (pending := self._pending.get(request_id)) is not None:
+                    pending.aborted = True  # dropped before admission, wherever it is now
             if request_id in self._in_engine:
                 self.engine.abort_request(request_id)
                 self._in_engine.discard(request_id)
                 self._candidates.pop(request_id, None)
         while self._admissions:
             item = self._admissions.popleft()
+            with self._pending_lock:
+                if self._pending.get(item.request_id) is item:
+                    del self._pending[item.request_id]
+            if item.aborted:
+                continue
             try:
                 if item.processed is not None:
                     # Processed on the image prompt thread: what vLLM's add_request does after its
@@ -471,7 +472,11 @@ class EngineLoop:
         except BaseException as error:
             self.error = f"vLLM engine failed: {type(error).__name__}: {error}"
             logger.error("%s\n%s", self.error, traceback.format_exc())
-            lost = sorted(self._in_engine) + [a.request_id for a in self._admissions]
+            # In the engine, queued for admission or still being prepared: none will ever end now.
+            with self._pending_lock:
+                pending = [rid for rid, item in self._pending.items() if not item.aborted]
+                self._pending.clear()
+            lost = sorted(self._in_engine) + pending
             self._admissions.clear()
             self._sink(EngineDied(self.error, lost))
 
