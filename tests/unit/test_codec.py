@@ -285,6 +285,13 @@ def test_bad_input_is_refused_with_a_message_naming_it(
     assert message in str(caught.value)
 
 
+def test_a_boolean_logprobs_means_what_vllm_reads_it_as() -> None:
+    """Triton's own OpenAI frontend (r24.11-r25.11) sends "logprobs": false with every chat request."""
+    assert request(sampling({"logprobs": False})).sampling_params.logprobs == 0
+    assert request(sampling({"logprobs": True})).sampling_params.logprobs == 1
+    assert request(sampling({"logprobs": 3})).sampling_params.logprobs == 3
+
+
 def test_empty_sampling_json_means_no_fields() -> None:
     assert codec.parse_sampling_fields(None, "x") == {}
     assert codec.parse_sampling_fields("  ", "x") == {}

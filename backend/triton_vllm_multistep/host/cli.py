@@ -121,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
-        help="run tritonserver with this backend; every other argument goes to tritonserver",
+        help="run tritonserver with this backend; every other argument goes to tritonserver, except "
+        "--openai-port PORT (an OpenAI-compatible API beside it) and --openai-host, --openai-api-key, "
+        "--openai-args 'vLLM serve options' (docs/openai.md)",
     )
     serve.set_defaults(handler=_serve)
     drain = commands.add_parser(

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from triton_vllm_multistep.demo import models as demo_models
-from triton_vllm_multistep.host import stub_python
+from triton_vllm_multistep.host import openai_process, stub_python
 from triton_vllm_multistep.lifecycle import procfs, triton_command
 from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV, EXIT_GRACE_SECONDS
 from triton_vllm_multistep.lifecycle.server_drain import DrainResult, drain_server
@@ -242,13 +242,24 @@ def build_command(install: TritonInstall, backend_dir: Path, server_args: Sequen
 
 
 def serve(server_args: Sequence[str], backend_dir: Path | None = None) -> int:
-    """Run tritonserver in the foreground; on SIGINT/SIGTERM drain its LLM models, then stop it; return its code."""
+    """Run tritonserver in the foreground (and the OpenAI server beside it with --openai-port); on
+    SIGINT/SIGTERM drain its LLM models, then stop it; return its code."""
+    try:
+        openai_options, server_args = openai_process.split_options(server_args)
+    except openai_process.OpenAIOptionError as error:
+        raise LaunchError(str(error)) from None
     install = find_triton()
     backend_dir = prepare_backend_dir(install, backend_dir or demo_models.cache_home() / "backends" / BACKEND_NAME)
     command = build_command(install, backend_dir, server_args)
     print("[triton-vllm-multistep] " + " ".join(command), file=sys.stderr, flush=True)
     env = server_environment(install)
     exit_timeout = triton_command.exit_timeout_of(triton_command.parse(command))
+    try:
+        openai_command = (
+            openai_process.command(openai_options, command, shutdown_timeout=exit_timeout) if openai_options else None
+        )
+    except openai_process.OpenAIOptionError as error:
+        raise LaunchError(str(error)) from None
     # A drain file of the server's own unless the user named one (e.g. for `triton-vllm-multistep drain`).
     own_drain_dir = None if env.get(DRAIN_FILE_ENV) else Path(tempfile.mkdtemp(prefix="triton-vllm-multistep-"))
     if own_drain_dir is not None:
@@ -261,6 +272,9 @@ def serve(server_args: Sequence[str], backend_dir: Path | None = None) -> int:
         if own_drain_dir is not None:
             shutil.rmtree(own_drain_dir, ignore_errors=True)
         raise
+    # The OpenAI server waits for READY itself; it goes first when the server is asked to stop.
+    frontend = openai_process.start(openai_command, env) if openai_command else None
+    frontend_failed = False
     stops: list[int] = []  # SIGINT/SIGTERM received; the first drains, a second stops at once
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -278,10 +292,22 @@ def serve(server_args: Sequence[str], backend_dir: Path | None = None) -> int:
     try:
         while True:
             try:
-                return process.wait(timeout=0.2)
+                code = process.wait(timeout=0.2)
+                return code or int(frontend_failed)
             except subprocess.TimeoutExpired:
                 pass
+            if frontend is not None and not stops and frontend.poll() is not None:
+                # Serving without the API it was started for would hide the failure: stop it all.
+                print(
+                    f"[triton-vllm-multistep] the OpenAI server exited ({frontend.returncode}): stopping tritonserver",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                frontend_failed = True
+                stops.append(signal.SIGTERM)
             if stops and kill_at is None:
+                if frontend is not None:
+                    openai_process.stop(frontend)
                 _drain_then_stop(process, Path(env[DRAIN_FILE_ENV]), exit_timeout, stops)
                 kill_at = time.monotonic() + exit_timeout + EXIT_GRACE_SECONDS
             if kill_at is not None and time.monotonic() > kill_at:
@@ -296,6 +322,8 @@ def serve(server_args: Sequence[str], backend_dir: Path | None = None) -> int:
                 return 1
     finally:
         _reap_group(process.pid)
+        if frontend is not None:
+            openai_process.kill(frontend)
         if own_drain_dir is not None:
             shutil.rmtree(own_drain_dir, ignore_errors=True)
 

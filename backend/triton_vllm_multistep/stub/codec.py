@@ -53,6 +53,12 @@ def _to_int(name: str, value: Any) -> int:
     raise RequestError(f"{name}: expected an integer, got {value!r}")
 
 
+def _to_logprobs(name: str, value: Any) -> int:
+    """A count of top logprobs; a boolean as vLLM reads one (False 0, True 1): Triton's own OpenAI
+    frontend (r24.11-r25.11) sends `"logprobs": false` with every chat request."""
+    return int(value) if isinstance(value, bool) else _to_int(name, value)
+
+
 def _to_float(name: str, value: Any) -> float:
     if isinstance(value, bool):
         raise RequestError(f"{name}: expected a number, got {value!r}")
@@ -117,7 +123,7 @@ FIELD_CONVERTERS: dict[str, Callable[[str, Any], Any]] = {
     "ignore_eos": _to_bool,
     "max_tokens": _to_int,
     "min_tokens": _to_int,
-    "logprobs": _to_int,
+    "logprobs": _to_logprobs,
     "prompt_logprobs": _to_int,
     "skip_special_tokens": _to_bool,
     "spaces_between_special_tokens": _to_bool,

@@ -1,0 +1,218 @@
+"""An EngineClient for vLLM's OpenAI serving code that streams from a Triton model over gRPC.
+
+Owns one Triton LLM model's side of the OpenAI server: each `generate` is one gRPC stream to the
+model (token ids in; per-step deltas or one whole answer out, as vLLM's serving code asks), ended
+by the model's FINAL and cancelled when the HTTP client goes away (which aborts the request in
+the engine). Tokenizer and ModelConfig are the model's own, read from its model.json.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, Mapping
+from typing import Any
+
+import numpy as np
+from tritonclient.grpc import InferInput, InferRequestedOutput
+from tritonclient.grpc import aio as grpcclient
+from tritonclient.utils import InferenceServerException
+from vllm.config import DecodingConfig, ModelConfig
+from vllm.engine.protocol import EngineClient
+from vllm.lora.request import LoRARequest
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+
+from triton_vllm_multistep.frontend import triton_requests
+from triton_vllm_multistep.frontend.errors import EngineUnavailable, is_unavailable
+
+logger = logging.getLogger("triton_vllm_multistep.frontend")
+
+
+class ModelConfigOnly:
+    """The part of a VllmConfig vLLM's OpenAI serving code reads (its model_config)."""
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        self.model_config = model_config
+
+
+class TritonEngineClient(EngineClient):
+    """vLLM's EngineClient over one Triton model; `lora_names` are the adapters it serves."""
+
+    def __init__(
+        self,
+        client: grpcclient.InferenceServerClient,
+        model_name: str,
+        model_config: ModelConfig,
+        tokenizer: Any,
+        lora_names: frozenset[str] = frozenset(),
+    ) -> None:
+        self._client = client
+        self.model_name = model_name
+        self._model_config = model_config
+        self._tokenizer = tokenizer
+        self._lora_names = lora_names
+
+    # State: the engine lives in Triton; its health is the model's readiness (check_health).
+    @property
+    def is_running(self) -> bool:
+        return True
+
+    @property
+    def is_stopped(self) -> bool:
+        return False
+
+    @property
+    def errored(self) -> bool:
+        return False
+
+    @property
+    def dead_error(self) -> BaseException:
+        return EngineUnavailable(f"model {self.model_name} is not available")
+
+    def generate(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        prompt_adapter_request: Any = None,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Checks the request (a ValueError here is vLLM's 400), then returns its stream of outputs."""
+        if not isinstance(prompt, Mapping) or "prompt_token_ids" not in prompt:
+            raise triton_requests.UnsupportedRequest("only tokenized prompts reach this server's engine client")
+        if prompt.get("multi_modal_data"):
+            raise triton_requests.UnsupportedRequest(
+                "images through the OpenAI API are not served yet: send them to the Triton model's `image` input"
+            )
+        if prompt_adapter_request is not None:
+            raise triton_requests.UnsupportedRequest("prompt adapters are not served")
+        if priority:
+            raise triton_requests.UnsupportedRequest("priority is not supported (first come, first served)")
+        lora_name = lora_request.lora_name if lora_request is not None else None
+        prompt_ids = list(prompt["prompt_token_ids"])
+        request = triton_requests.triton_request(prompt_ids, sampling_params, lora_name)
+        completions = sampling_params._real_n or sampling_params.n
+        return self._stream(request_id, prompt_ids, request, completions)
+
+    async def _stream(
+        self, request_id: str, prompt_ids: list[int], request: triton_requests.TritonRequest, completions: int
+    ) -> AsyncGenerator[RequestOutput, None]:
+        inputs = []
+        for name, array in request.inputs.items():
+            tensor = InferInput(name, list(array.shape), _triton_type(array))
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        outputs = [InferRequestedOutput(name) for name in request.outputs]
+
+        async def one_request():
+            yield {
+                "model_name": self.model_name,
+                "inputs": inputs,
+                "outputs": outputs,
+                "request_id": request_id,
+                "parameters": request.parameters,
+            }
+
+        responses = self._client.stream_infer(one_request())
+        ended = False
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    ended = True
+                    raise await self._request_error(str(error))
+                response = result.get_response()
+                final = response.parameters.get("triton_final_response")
+                if result.as_numpy("num_output_tokens") is not None:
+                    arrays = {name: result.as_numpy(name) for name in request.outputs}
+                    yield triton_requests.request_output(request_id, prompt_ids, arrays, completions)
+                if final is not None and final.bool_param:
+                    ended = True
+                    return
+        except InferenceServerException as error:  # the stream itself failed (server gone, ...)
+            ended = True
+            raise await self._request_error(str(error)) from None
+        finally:
+            if not ended:
+                # The HTTP client went away (vLLM's serving code was cancelled) or stopped reading:
+                # cancelling the gRPC stream makes the backend abort the request in the engine.
+                responses.cancel()
+
+    async def _request_error(self, message: str) -> Exception:
+        """A request's error as vLLM's serving code answers it: a ValueError is a 400; the engine
+        or model being unavailable is EngineUnavailable (the app answers 503)."""
+        if is_unavailable(message) or not await self._model_ready():
+            return EngineUnavailable(message)
+        return ValueError(message)
+
+    async def _model_ready(self) -> bool:
+        try:
+            return bool(await self._client.is_model_ready(self.model_name))
+        except InferenceServerException:
+            return False
+
+    async def check_health(self) -> None:
+        if not await self._model_ready():
+            raise EngineUnavailable(f"Triton model {self.model_name} is not ready")
+
+    # What vLLM's serving code reads about the model.
+    async def get_vllm_config(self) -> Any:
+        return ModelConfigOnly(self._model_config)
+
+    async def get_model_config(self) -> ModelConfig:
+        return self._model_config
+
+    async def get_decoding_config(self) -> DecodingConfig:
+        return DecodingConfig()
+
+    async def get_tokenizer(self, lora_request: LoRARequest | None = None) -> Any:
+        return self._tokenizer
+
+    async def get_input_preprocessor(self) -> Any:
+        raise triton_requests.UnsupportedRequest("beam search is not served (use n / best_of)")
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        if lora_request.lora_name not in self._lora_names:
+            raise ValueError(
+                f"LoRA adapter {lora_request.lora_name!r} is not in model {self.model_name}'s multi_lora.json"
+            )
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+    async def do_log_stats(self, scheduler_outputs: Any = None, model_output: Any = None) -> None:
+        return None  # the model's metrics are Triton's (its metrics port)
+
+    # Engine control that belongs to the Triton model, not to this server.
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        raise triton_requests.UnsupportedRequest("pooling models are not served")
+
+    async def abort(self, request_id: str) -> None:
+        return None  # a request is aborted by cancelling its gRPC stream (see _stream)
+
+    async def start_profile(self) -> None:
+        raise NotImplementedError("profiling runs in the Triton model")
+
+    async def stop_profile(self) -> None:
+        raise NotImplementedError("profiling runs in the Triton model")
+
+    async def reset_prefix_cache(self, device: Any = None) -> None:
+        raise NotImplementedError("the prefix cache belongs to the Triton model")
+
+    async def sleep(self, level: int = 1) -> None:
+        raise NotImplementedError("sleep mode is not served")
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        raise NotImplementedError("sleep mode is not served")
+
+    async def is_sleeping(self) -> bool:
+        return False
+
+
+def _triton_type(array: np.ndarray) -> str:
+    if array.dtype == np.bool_:
+        return "BOOL"
+    if array.dtype == np.int32:
+        return "INT32"
+    return "BYTES"

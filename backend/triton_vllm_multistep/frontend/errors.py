@@ -1,0 +1,25 @@
+"""Which Triton errors mean "unavailable" (HTTP 503) rather than a bad request (400).
+
+Triton's gRPC stream hands the client an error's message only, not its code; the backend's
+UNAVAILABLE answers (stub/instance.py, stub/responder.py) and Triton's own for a model that is
+not loaded are told apart by their words. The app maps EngineUnavailable to 503.
+"""
+
+from __future__ import annotations
+
+# Leading words of the backend's UNAVAILABLE messages and Triton's for models not in service.
+UNAVAILABLE_PREFIXES = (
+    "Model is unavailable due to unhealthy vLLM engine",  # stub/instance.py UNHEALTHY_ENGINE_MESSAGE
+    "vLLM engine failed",  # engine/loop.py: requests in flight when the engine died
+    "Request for unknown model",  # Triton: the model is not loaded (unloaded after a failure)
+)
+UNAVAILABLE_SUFFIXES = (": not taking new requests",)  # stub/instance.py: draining or unloading
+
+
+class EngineUnavailable(RuntimeError):
+    """The Triton model cannot serve now (engine down, model unloaded or draining): HTTP 503."""
+
+
+def is_unavailable(message: str) -> bool:
+    text = message.strip()
+    return text.startswith(UNAVAILABLE_PREFIXES) or text.endswith(UNAVAILABLE_SUFFIXES)

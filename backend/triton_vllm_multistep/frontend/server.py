@@ -1,0 +1,159 @@
+"""The OpenAI server process: finds the repository's LLM models in Triton, then serves them.
+
+Owns the process's life: wait for tritonserver to be READY (over gRPC), build each loaded
+`vllm_multistep` model's ModelConfig, tokenizer and LoRA adapters from its own model.json and
+multi_lora.json (as its stub does), then run vLLM's app under uvicorn until SIGTERM (uvicorn
+stops accepting, lets requests in flight finish, then exits). Started by `serve --openai-port`
+(host/launcher.py), or on its own beside any tritonserver: `python -m triton_vllm_multistep.frontend`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BACKEND_NAME = "vllm_multistep"
+READY_TIMEOUT_SECONDS = 3600.0  # model loads can be long; the launcher stops this process with the server
+
+logger = logging.getLogger("triton_vllm_multistep.frontend")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="python -m triton_vllm_multistep.frontend"))
+    ours = parser.add_argument_group("Triton")
+    ours.add_argument("--grpc-url", default="127.0.0.1:8001", help="tritonserver's gRPC endpoint")
+    ours.add_argument(
+        "--model-repository",
+        action="append",
+        default=[],
+        required=True,
+        help="tritonserver's --model-repository (each); the models' model.json is read from it",
+    )
+    ours.add_argument(
+        "--triton-model",
+        action="append",
+        default=[],
+        help="serve only these Triton models (default: every loaded vllm_multistep model)",
+    )
+    ours.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_SECONDS)
+    ours.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds for requests in flight at SIGTERM")
+    args = parser.parse_args(argv)
+    validate_parsed_serve_args(args)
+    return args
+
+
+async def wait_for_server(client: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if await client.is_server_ready():
+                return
+        except Exception:  # not listening yet
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"tritonserver not ready within {timeout:g} s")
+        await asyncio.sleep(0.5)
+
+
+async def discover(client: Any, repositories: list[Path], only: list[str]) -> list[tuple[str, str, dict, Path]]:
+    """(name, version, loaded config, model folder) of each loaded vllm_multistep model."""
+    index = await client.get_model_repository_index(as_json=True)
+    found = []
+    for entry in index.get("models", []):
+        name, version = entry["name"], entry.get("version", "")
+        if entry.get("state") != "READY" or (only and name not in only):
+            continue
+        loaded = (await client.get_model_config(name, as_json=True))["config"]
+        if loaded.get("backend") != BACKEND_NAME:
+            continue
+        folder = next((r / name for r in repositories if (r / name).is_dir()), None)
+        if folder is None:
+            raise RuntimeError(f"model {name} is loaded but none of {', '.join(map(str, repositories))} holds it")
+        found.append((name, version or "1", loaded, folder))
+    missing = sorted(set(only) - {name for name, *_ in found})
+    if missing:
+        raise RuntimeError(f"--triton-model {', '.join(missing)}: not a loaded {BACKEND_NAME} model")
+    return found
+
+
+def served_model(client: Any, name: str, version: str, loaded: dict, folder: Path) -> Any:
+    """The model's engine client, from its model.json (and the loaded config's engine_args) as its stub reads them."""
+    from vllm.entrypoints.openai.serving_models import LoRAModulePath
+    from vllm.transformers_utils.tokenizer import get_tokenizer
+
+    from triton_vllm_multistep.frontend.app import ServedModel
+    from triton_vllm_multistep.frontend.engine_client import TritonEngineClient
+    from triton_vllm_multistep.stub import config, lora
+
+    engine_json = lora.normalize_enable_lora(
+        config.apply_config_engine_args(config.load_engine_json(folder, version), loaded)
+    )
+    settings = config.backend_settings(loaded, engine_json)
+    values = config.engine_args_values(engine_json, folder, settings)
+    model_config = config.to_engine_args(values).create_model_config()
+    tokenizer = get_tokenizer(
+        model_config.tokenizer,
+        tokenizer_mode=model_config.tokenizer_mode,
+        trust_remote_code=model_config.trust_remote_code,
+        revision=model_config.tokenizer_revision,
+    )
+    adapters: tuple[Any, ...] = ()
+    if lora.lora_enabled(engine_json):
+        version_dir = folder / version if (folder / version).is_dir() else folder
+        adapters = lora.load_adapters(version_dir, engine_json, lora.local_model_dir(str(values["model"])))
+    engine_client = TritonEngineClient(client, name, model_config, tokenizer, frozenset(a.name for a in adapters))
+    lora_modules = tuple(LoRAModulePath(a.name, a.path, base_model_name=name) for a in adapters)
+    return ServedModel(engine_client, str(values["model"]), lora_modules)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+    from tritonclient.grpc import aio as grpcclient
+
+    from triton_vllm_multistep.frontend.app import build_openai_app
+
+    client = grpcclient.InferenceServerClient(args.grpc_url)
+    try:
+        await wait_for_server(client, args.ready_timeout)
+        models = await discover(client, [Path(r) for r in args.model_repository], args.triton_model)
+        if not models:
+            raise RuntimeError(f"tritonserver has no loaded {BACKEND_NAME} model to serve")
+        served = [served_model(client, *model) for model in models]
+        app = await build_openai_app(served, args)
+        names = ", ".join(s.engine_client.model_name for s in served)
+        config = uvicorn.Config(
+            app,
+            host=args.host or "0.0.0.0",
+            port=args.port,
+            loop="asyncio",  # grpc.aio runs under asyncio's own loop
+            log_level=args.uvicorn_log_level,
+            timeout_keep_alive=5,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
+        server = uvicorn.Server(config)
+        logger.info("OpenAI-compatible API for %s on port %d", names, args.port)
+        print(
+            f"[triton-vllm-multistep] OpenAI-compatible API on port {args.port}: {names}", file=sys.stderr, flush=True
+        )
+        await server.serve()
+    finally:
+        await client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        asyncio.run(serve(args))
+    except Exception as error:
+        print(f"[triton-vllm-multistep] the OpenAI server stopped: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,167 @@
+"""Triton requests from vLLM's SamplingParams, and vLLM RequestOutputs from Triton responses.
+
+Owns the mapping between what vLLM's OpenAI serving code hands an EngineClient and the model's
+KServe v2 tensors (docs/interface.md); pure logic, no network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.sequence import Logprob
+
+# SamplingParams fields sent in sampling_parameters when they differ from vLLM's defaults (the
+# backend applies the same defaults). `n`/`best_of` and `guided_decoding` are sent on their own;
+# `truncate_prompt_tokens` is applied by vLLM's serving code before the prompt gets here.
+SENT_FIELDS = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "logprobs",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+)
+_DEFAULTS = SamplingParams()
+# Outputs asked of the model: the backend builds only these (docs/interface.md).
+OUTPUTS = ("text_output", "output_ids", "finish_reason", "num_output_tokens")
+
+
+class UnsupportedRequest(ValueError):
+    """What vLLM's serving code asked for that this path cannot give; vLLM answers it with a 400."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonRequest:
+    """The tensors and request parameters of one inference request to the LLM model."""
+
+    inputs: dict[str, np.ndarray]
+    outputs: tuple[str, ...]
+    parameters: dict[str, Any]
+
+
+def sampling_parameters(params: SamplingParams, lora_name: str | None = None) -> dict[str, Any]:
+    """The `sampling_parameters` JSON object for `params` (vLLM field names and meanings)."""
+    if params.prompt_logprobs is not None:
+        raise UnsupportedRequest("prompt_logprobs (echo with logprobs) is not returned by this server")
+    if params.logits_processors:
+        raise UnsupportedRequest("logits processors (e.g. logits_processor_pattern) are not accepted by this server")
+    values: dict[str, Any] = {}
+    requested_n = params._real_n or params.n  # vLLM moved n to best_of when best_of > n
+    values["n"] = requested_n
+    values["max_tokens"] = params.max_tokens  # always: the backend's own default differs from vLLM's server's
+    if params.best_of is not None and params.best_of != requested_n:
+        values["best_of"] = params.best_of
+    for name in SENT_FIELDS:
+        value = getattr(params, name)
+        if value != getattr(_DEFAULTS, name) and value is not None:
+            values[name] = {str(k): v for k, v in value.items()} if name == "logit_bias" else value
+    if params.guided_decoding is not None:
+        guided = {k: v for k, v in dataclasses.asdict(params.guided_decoding).items() if v not in (None, False)}
+        guided.pop("disable_fallback", None)  # not a field of vLLM 0.8.5's GuidedDecodingParams
+        values["guided_decoding"] = guided
+    if lora_name is not None:
+        values["lora_name"] = lora_name
+    return values
+
+
+def triton_request(prompt_token_ids: Sequence[int], params: SamplingParams, lora_name: str | None) -> TritonRequest:
+    """The request for a tokenized prompt: streamed (one response per step) when vLLM asks for
+    deltas, one response otherwise."""
+    stream = params.output_kind == RequestOutputKind.DELTA
+    inputs = {
+        "input_ids": np.asarray(prompt_token_ids, dtype=np.int32),
+        "stream": np.array([stream], dtype=bool),
+        "sampling_parameters": np.array(
+            [json.dumps(sampling_parameters(params, lora_name)).encode()], dtype=np.object_
+        ),
+        "return_finish_reason": np.array([True], dtype=bool),
+        "return_num_output_tokens": np.array([True], dtype=bool),
+    }
+    outputs = OUTPUTS
+    if params.logprobs is not None:
+        inputs["return_logprobs"] = np.array([True], dtype=bool)
+        outputs = (*OUTPUTS, "logprobs")
+    # The empty FINAL tells the client the stream is over whatever the last data response said.
+    return TritonRequest(inputs, outputs, {"triton_enable_empty_final_response": True})
+
+
+def request_output(
+    request_id: str,
+    prompt_token_ids: list[int],
+    arrays: Mapping[str, np.ndarray],
+    completions: int,
+) -> RequestOutput:
+    """vLLM's RequestOutput for one data response: one CompletionOutput per completion, with the
+    response's tokens (new ones when streamed, all of them otherwise)."""
+    counts = [int(c) for c in arrays["num_output_tokens"]]
+    if len(counts) != completions:
+        raise RuntimeError(f"the model answered {len(counts)} completion(s), {completions} asked for")
+    ids = [int(t) for t in arrays["output_ids"]]
+    texts = [_text(t) for t in arrays["text_output"]]
+    reasons = [_finish_reason(r) for r in arrays["finish_reason"]]
+    logprobs = [_logprobs(lp) for lp in arrays["logprobs"]] if "logprobs" in arrays else [None] * completions
+    outputs = []
+    start = 0
+    for index, count in enumerate(counts):
+        outputs.append(
+            CompletionOutput(
+                index=index,
+                text=texts[index],
+                token_ids=ids[start : start + count],
+                cumulative_logprob=None,
+                logprobs=logprobs[index],
+                finish_reason=reasons[index],
+            )
+        )
+        start += count
+    return RequestOutput(
+        request_id=request_id,
+        prompt=None,
+        prompt_token_ids=prompt_token_ids,
+        prompt_logprobs=None,
+        outputs=outputs,
+        finished=all(reason is not None for reason in reasons),
+    )
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _finish_reason(value: Any) -> str | None:
+    text = _text(value)
+    return None if text in ("None", "") else text  # the backend sends str(None) while unfinished
+
+
+def _logprobs(value: Any) -> list[dict[int, Logprob]] | None:
+    steps = json.loads(_text(value))
+    if steps is None:
+        return None
+    return [
+        {
+            int(token): Logprob(
+                logprob=entry["logprob"], rank=entry.get("rank"), decoded_token=entry.get("decoded_token")
+            )
+            for token, entry in step.items()
+        }
+        for step in steps
+    ]

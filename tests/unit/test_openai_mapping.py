@@ -1,0 +1,123 @@
+"""frontend/triton_requests.py, frontend/errors.py and host/openai_process.py: the OpenAI server's
+pure logic, without a server (the e2e tier runs it through the real tritonserver).
+
+SamplingParams as vLLM's OpenAI serving code builds them become the model's sampling_parameters
+with vLLM's names and values (what the backend's codec reads back to the same SamplingParams);
+Triton responses become RequestOutputs (n completions split by num_output_tokens, "None" finish
+reasons unfinished, logprobs as vLLM's Logprob dicts); the launcher's --openai-* options.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from vllm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
+
+from triton_vllm_multistep.frontend import errors, triton_requests
+from triton_vllm_multistep.host import openai_process
+from triton_vllm_multistep.stub import codec
+from triton_vllm_multistep.stub.instance import UNHEALTHY_ENGINE_MESSAGE
+
+
+def _round_trip(params: SamplingParams) -> SamplingParams:
+    """What the backend's codec builds from the sampling_parameters sent for `params`."""
+    request = triton_requests.triton_request([1, 2, 3], params, None)
+    inputs = dict(request.inputs)
+    generation = codec.decode_request(inputs, None, codec.ModelLimits(100, 64), encode=lambda _: [1], decode=str)
+    return generation.sampling_params
+
+
+def test_sampling_parameters_carry_vllm_fields_and_the_codec_reads_back_the_same_params() -> None:
+    params = SamplingParams(
+        n=1,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        seed=11,
+        stop=["\n\n"],
+        stop_token_ids=[7],
+        max_tokens=12,
+        min_tokens=2,
+        presence_penalty=0.5,
+        logprobs=3,
+        logit_bias={4: -2.0},
+        output_kind=RequestOutputKind.DELTA,
+    )
+    sent = triton_requests.sampling_parameters(params)
+    assert sent["logit_bias"] == {"4": -2.0} and sent["max_tokens"] == 12 and "truncate_prompt_tokens" not in sent
+    back = _round_trip(params)
+    for name in ("n", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens"):
+        assert getattr(back, name) == getattr(params, name), name
+    assert back.presence_penalty == 0.5 and back.logprobs == 3 and back.logit_bias == {4: -2.0}
+    assert back.output_kind == RequestOutputKind.DELTA  # streamed: stream input true
+
+
+def test_n_and_best_of_are_sent_as_the_client_gave_them() -> None:
+    params = SamplingParams(n=2, best_of=4, temperature=1.0, seed=1)  # vLLM moves n to best_of
+    sent = triton_requests.sampling_parameters(params)
+    assert (sent["n"], sent["best_of"]) == (2, 4)
+    assert "best_of" not in triton_requests.sampling_parameters(SamplingParams(n=3, temperature=1.0))
+
+
+def test_structured_output_and_adapter_go_as_the_backend_takes_them() -> None:
+    params = SamplingParams(guided_decoding=GuidedDecodingParams(json={"type": "object"}), max_tokens=5)
+    sent = triton_requests.sampling_parameters(params, lora_name="pirate")
+    assert sent["guided_decoding"] == {"json": {"type": "object"}} and sent["lora_name"] == "pirate"
+
+
+def test_what_the_backend_cannot_return_is_refused_as_a_value_error() -> None:
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        triton_requests.sampling_parameters(SamplingParams(prompt_logprobs=1))
+
+
+def test_a_response_becomes_a_request_output_with_its_completions() -> None:
+    arrays = {
+        "text_output": np.array([b" a", b" b c"], dtype=np.object_),
+        "output_ids": np.array([5, 6, 7], dtype=np.int32),
+        "finish_reason": np.array([b"None", b"length"], dtype=np.object_),
+        "num_output_tokens": np.array([1, 2], dtype=np.uint32),
+        "logprobs": np.array(
+            [json.dumps([{"5": {"logprob": -0.1, "rank": 1, "decoded_token": " a"}}]).encode(), b"null"],
+            dtype=np.object_,
+        ),
+    }
+    output = triton_requests.request_output("r", [1, 2], arrays, completions=2)
+    first, second = output.outputs
+    assert (first.index, first.text, list(first.token_ids), first.finish_reason) == (0, " a", [5], None)
+    assert (second.index, second.text, list(second.token_ids), second.finish_reason) == (1, " b c", [6, 7], "length")
+    assert first.logprobs[0][5].logprob == -0.1 and first.logprobs[0][5].decoded_token == " a"
+    assert second.logprobs is None and not output.finished and output.prompt_token_ids == [1, 2]
+    arrays["finish_reason"] = np.array([b"stop", b"length"], dtype=np.object_)
+    assert triton_requests.request_output("r", [1, 2], arrays, completions=2).finished
+    with pytest.raises(RuntimeError, match="3 asked for"):
+        triton_requests.request_output("r", [1, 2], arrays, completions=3)
+
+
+def test_unavailable_errors_are_told_from_bad_requests_by_the_backends_words() -> None:
+    assert errors.is_unavailable(f"{UNHEALTHY_ENGINE_MESSAGE}: vLLM engine failed: boom")
+    assert errors.is_unavailable("model is unloading: not taking new requests")
+    assert errors.is_unavailable("Request for unknown model: 'x' is not found")
+    assert not errors.is_unavailable("sampling_parameters.logprobs must be between 0 and 20, got 50")
+
+
+def test_the_launchers_openai_options_are_taken_out_of_tritonservers_argv() -> None:
+    options, rest = openai_process.split_options(
+        ["--model-repository=r", "--openai-port", "9000", "--openai-api-key=k", "--openai-args=--chat-template t.j2"]
+    )
+    assert rest == ["--model-repository=r"]
+    assert options == openai_process.OpenAIOptions(9000, "0.0.0.0", "k", ("--chat-template", "t.j2"))
+    assert openai_process.split_options(["--grpc-port=1"]) == (None, ["--grpc-port=1"])
+    argv = openai_process.command(options, ["tritonserver", "--model-repository=r", "--grpc-port=7001"], 30)
+    assert "--grpc-url=127.0.0.1:7001" in argv and "--model-repository=r" in argv and "--api-key=k" in argv
+    assert argv[-2:] == ["--chat-template", "t.j2"]
+    for bad, message in (
+        (["--openai-api-key=k"], "needs --openai-port"),
+        (["--openai-port=x"], "must be a port number"),
+        (["--openai-port"], "needs a value"),
+    ):
+        with pytest.raises(openai_process.OpenAIOptionError, match=message):
+            openai_process.split_options(bad)
+    with pytest.raises(openai_process.OpenAIOptionError, match="--allow-grpc"):
+        openai_process.command(options, ["tritonserver", "--allow-grpc=false"], 30)
