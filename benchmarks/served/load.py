@@ -130,8 +130,12 @@ class TritonStreams:
         await self._client.close()
 
 
+BACKEND_OPENAI = "backend_openai"  # a configuration served through `serve --openai-port`
+
+
 class OpenAIStreams:
-    """Streaming `/v1/completions` of vLLM's OpenAI server (`peers.VLLM_SERVE`), the same prompts and
+    """Streaming `/v1/completions` of vLLM's OpenAI server (`peers.VLLM_SERVE`, and ours: `serve
+    --openai-port`, BACKEND_OPENAI), the same prompts and
     sampling; token counts from the usage vLLM adds to every chunk (`continuous_usage_stats`)."""
 
     def __init__(self, url: str, max_tokens: int) -> None:
@@ -183,6 +187,8 @@ def streams_for(
     Triton outputs it asks for (None: all)."""
     if kind == peers.VLLM_SERVE:
         return OpenAIStreams(server.http_url, max_tokens)
+    if kind == BACKEND_OPENAI:  # ours, through its OpenAI-compatible API: the same client as vllm serve's
+        return OpenAIStreams(server.openai_url, max_tokens)
     peer = kind == peers.TRITON_VLLM_BACKEND
     return TritonStreams(f"127.0.0.1:{server.grpc_port}", max_tokens, peer=peer, outputs=outputs)
 

@@ -122,6 +122,7 @@ def annotate(results: dict[str, Any]) -> None:
             merge_itl = merge["itl_ms"]["p50"] / per_step["itl_ms"]["p50"] if merge and per_step else None
             check(f"c=1: ITL p50 steps 8 merge / per step{where}", merge_itl, TARGETS["itl_merge_vs_step_at_1"], False)
     peer_checks(served, results.get("model") == DEFAULT_MODEL_REFERENCE, check)
+    openai_checks(served, check)
     for config in results["served"]:
         check(f"start to READY (s), {config['label']}", config["ready_seconds"], TARGETS["ready_seconds"], False)
         check(
@@ -138,6 +139,17 @@ def annotate(results: dict[str, Any]) -> None:
 # as information.
 PER_STEP = ("steps8_step_process", "steps8_step")
 COMPARED_WITH_PEERS = (*PER_STEP, "steps8_merge_process", "steps8_merge", "steps8_window")
+
+
+def openai_checks(served: dict[str, dict[int, dict[str, Any]]], check: Any) -> None:
+    """The OpenAI API path (steps8_step_openai) over KServe gRPC (steps8_step_process) and over
+    `vllm serve` (vllm_serve), at every level measured in the same run, against targets.toml."""
+    ours = served.get("steps8_step_openai", {})
+    for other, target in (("steps8_step_process", "openai_vs_kserve"), ("vllm_serve", "openai_vs_vllm_serve")):
+        for level in sorted(set(ours) & set(served.get(other, {}))):
+            value = ours[level]["tokens_per_s"] / served[other][level]["tokens_per_s"]
+            label = f"c={level}: {CONFIGS['steps8_step_openai'].label} / {CONFIGS[other].label}"
+            check(label, value, TARGETS[target], True)
 
 
 def peer_checks(

@@ -34,10 +34,10 @@ def make_repository(
     return target
 
 
-def start_server(repository: Path, log_path: Path) -> tuple[ServerProcess, float]:
+def start_server(repository: Path, log_path: Path, *extra_args: str) -> tuple[ServerProcess, float]:
     """Start the launcher on free ports; returns the server and its seconds from start to READY."""
     return local_server.start_ready_server(
-        repository, log_path, env={"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}, poll=0.05, attempts=3
+        repository, log_path, *extra_args, env={"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}, poll=0.05, attempts=3
     )
 
 
@@ -81,6 +81,12 @@ def start_configuration(
         return peers.start_triton_vllm_backend(workdir / name, model, triton_vllm_backend, log)
     steps, mode = config.num_scheduler_steps, config.stream_mode
     repository = make_repository(workdir / name, steps, mode, model, config.engine, config.parameters)
+    if config.server == load.BACKEND_OPENAI:
+        (port,) = local_server.free_ports(1)
+        started = time.monotonic()
+        server, _ = start_server(repository, log, f"--openai-port={port}")
+        server.wait_openai_ready()
+        return server, time.monotonic() - started
     return start_server(repository, log)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from vllm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 
-from triton_vllm_multistep.frontend import errors, triton_requests
+from triton_vllm_multistep.frontend import errors, server, triton_requests
 from triton_vllm_multistep.host import openai_process
 from triton_vllm_multistep.stub import codec
 from triton_vllm_multistep.stub.instance import UNHEALTHY_ENGINE_MESSAGE
@@ -121,3 +121,10 @@ def test_the_launchers_openai_options_are_taken_out_of_tritonservers_argv() -> N
             openai_process.split_options(bad)
     with pytest.raises(openai_process.OpenAIOptionError, match="--allow-grpc"):
         openai_process.command(options, ["tritonserver", "--allow-grpc=false"], 30)
+
+
+def test_adapters_are_served_as_model_lora_adapter_and_by_their_own_name_where_it_is_unique() -> None:
+    names = server.adapter_model_names({"a": ["pirate", "shout"], "b": ["pirate", "b"], "c": []})
+    assert names["a"] == {"a_lora_pirate": "pirate", "a_lora_shout": "shout", "shout": "shout"}
+    assert names["b"] == {"b_lora_pirate": "pirate", "b_lora_b": "b"}  # "b" names a model
+    assert names["c"] == {}

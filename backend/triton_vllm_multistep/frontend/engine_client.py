@@ -36,7 +36,8 @@ class ModelConfigOnly:
 
 
 class TritonEngineClient(EngineClient):
-    """vLLM's EngineClient over one Triton model; `lora_names` are the adapters it serves."""
+    """vLLM's EngineClient over one Triton model; `adapters` maps the names its LoRA adapters are
+    served under (model names to OpenAI clients) to their names in its multi_lora.json."""
 
     def __init__(
         self,
@@ -44,13 +45,13 @@ class TritonEngineClient(EngineClient):
         model_name: str,
         model_config: ModelConfig,
         tokenizer: Any,
-        lora_names: frozenset[str] = frozenset(),
+        adapters: Mapping[str, str] | None = None,
     ) -> None:
         self._client = client
         self.model_name = model_name
         self._model_config = model_config
         self._tokenizer = tokenizer
-        self._lora_names = lora_names
+        self._adapters = dict(adapters or {})
 
     # State: the engine lives in Triton; its health is the model's readiness (check_health).
     @property
@@ -90,7 +91,7 @@ class TritonEngineClient(EngineClient):
             raise triton_requests.UnsupportedRequest("prompt adapters are not served")
         if priority:
             raise triton_requests.UnsupportedRequest("priority is not supported (first come, first served)")
-        lora_name = lora_request.lora_name if lora_request is not None else None
+        lora_name = self._adapters.get(lora_request.lora_name) if lora_request is not None else None
         prompt_ids = list(prompt["prompt_token_ids"])
         request = triton_requests.triton_request(prompt_ids, sampling_params, lora_name)
         completions = sampling_params._real_n or sampling_params.n
@@ -173,7 +174,7 @@ class TritonEngineClient(EngineClient):
         raise triton_requests.UnsupportedRequest("beam search is not served (use n / best_of)")
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
-        if lora_request.lora_name not in self._lora_names:
+        if lora_request.lora_name not in self._adapters:
             raise ValueError(
                 f"LoRA adapter {lora_request.lora_name!r} is not in model {self.model_name}'s multi_lora.json"
             )

@@ -84,13 +84,33 @@ async def discover(client: Any, repositories: list[Path], only: list[str]) -> li
     return found
 
 
-def served_model(client: Any, name: str, version: str, loaded: dict, folder: Path) -> Any:
-    """The model's engine client, from its model.json (and the loaded config's engine_args) as its stub reads them."""
-    from vllm.entrypoints.openai.serving_models import LoRAModulePath
+LORA_SEPARATOR = "_lora_"  # Triton's OpenAI frontend's default --lora-separator
+
+
+def adapter_model_names(adapters: dict[str, list[str]]) -> dict[str, dict[str, str]]:
+    """For each Triton model (name → its multi_lora.json adapter names): served name → adapter name.
+
+    Every adapter is served as `<model>_lora_<adapter>` (Triton's OpenAI frontend's names), and
+    by its own name too where that names one thing only (no other model's adapter, no model).
+    """
+    counts: dict[str, int] = {}
+    for names in adapters.values():
+        for name in names:
+            counts[name] = counts.get(name, 0) + 1
+    served: dict[str, dict[str, str]] = {}
+    for model, names in adapters.items():
+        served[model] = {f"{model}{LORA_SEPARATOR}{name}": name for name in names}
+        for name in names:
+            if counts[name] == 1 and name not in adapters:
+                served[model][name] = name
+    return served
+
+
+def model_settings(name: str, version: str, loaded: dict, folder: Path) -> tuple[Any, Any, tuple[Any, ...]]:
+    """(ModelConfig, tokenizer, LoRA adapters) of a model, from its model.json (and the loaded
+    config's engine_args) as its stub reads them."""
     from vllm.transformers_utils.tokenizer import get_tokenizer
 
-    from triton_vllm_multistep.frontend.app import ServedModel
-    from triton_vllm_multistep.frontend.engine_client import TritonEngineClient
     from triton_vllm_multistep.stub import config, lora
 
     engine_json = lora.normalize_enable_lora(
@@ -109,9 +129,27 @@ def served_model(client: Any, name: str, version: str, loaded: dict, folder: Pat
     if lora.lora_enabled(engine_json):
         version_dir = folder / version if (folder / version).is_dir() else folder
         adapters = lora.load_adapters(version_dir, engine_json, lora.local_model_dir(str(values["model"])))
-    engine_client = TritonEngineClient(client, name, model_config, tokenizer, frozenset(a.name for a in adapters))
-    lora_modules = tuple(LoRAModulePath(a.name, a.path, base_model_name=name) for a in adapters)
-    return ServedModel(engine_client, str(values["model"]), lora_modules)
+    return model_config, tokenizer, adapters
+
+
+def served_models(client: Any, models: list[tuple[str, str, dict, Path]]) -> list[Any]:
+    from vllm.entrypoints.openai.serving_models import LoRAModulePath
+
+    from triton_vllm_multistep.frontend.app import ServedModel
+    from triton_vllm_multistep.frontend.engine_client import TritonEngineClient
+
+    settings = {model[0]: model_settings(*model) for model in models}
+    names = adapter_model_names({name: [a.name for a in s[2]] for name, s in settings.items()})
+    served = []
+    for name, (model_config, tokenizer, adapters) in settings.items():
+        paths = {a.name: a.path for a in adapters}
+        engine_client = TritonEngineClient(client, name, model_config, tokenizer, names[name])
+        lora_modules = tuple(
+            LoRAModulePath(served_name, paths[adapter], base_model_name=name)
+            for served_name, adapter in names[name].items()
+        )
+        served.append(ServedModel(engine_client, model_config.model, lora_modules))
+    return served
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -126,7 +164,7 @@ async def serve(args: argparse.Namespace) -> None:
         models = await discover(client, [Path(r) for r in args.model_repository], args.triton_model)
         if not models:
             raise RuntimeError(f"tritonserver has no loaded {BACKEND_NAME} model to serve")
-        served = [served_model(client, *model) for model in models]
+        served = served_models(client, models)
         app = await build_openai_app(served, args)
         names = ", ".join(s.engine_client.model_name for s in served)
         config = uvicorn.Config(

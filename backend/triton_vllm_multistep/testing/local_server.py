@@ -50,6 +50,7 @@ def copy_model(
 
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST_CHOSEN_PORT = 15000
+OPENAI_SERVER_MODULE = "triton_vllm_multistep.frontend"  # its process: python -m <this>
 
 
 def ephemeral_port_range() -> tuple[int, int]:
@@ -94,6 +95,31 @@ class ServerProcess:
     grpc_port: int
     metrics_port: int
     log_path: Path
+    openai_port: int | None = None  # the launcher's --openai-port, when given
+
+    @property
+    def openai_url(self) -> str:
+        """The OpenAI-compatible API's base URL (without /v1)."""
+        if self.openai_port is None:
+            raise RuntimeError("this server was started without --openai-port")
+        return f"http://127.0.0.1:{self.openai_port}"
+
+    def wait_openai_ready(self, timeout: float = 300.0) -> float:
+        """Seconds until the OpenAI API answers /health with 200; raises with the log tail if the
+        server exits or it never does."""
+        import requests
+
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(f"{self.openai_url}/health", timeout=2).status_code == 200:
+                    return time.monotonic() - started
+            except requests.RequestException:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"the OpenAI API not ready within {timeout} s:\n{self.log_tail()}")
 
     @property
     def http_url(self) -> str:
@@ -149,8 +175,8 @@ class ServerProcess:
                 continue
             if triton_command.is_python_backend_stub(argv):
                 groups["stub"].append(pid)
-            elif triton_command.is_tritonserver(argv):
-                groups["tritonserver"].append(pid)
+            elif triton_command.is_tritonserver(argv) or OPENAI_SERVER_MODULE in argv:
+                groups["tritonserver"].append(pid)  # the front ends: KServe and the OpenAI API
             else:
                 groups["engine"].append(pid)
         return {kind: _as_psutil(pids) for kind, pids in groups.items()}
@@ -204,7 +230,8 @@ def start_server(repository: Path, log_path: Path, *extra_args: str, env: dict |
     environment.update(env or {})
     log = log_path.open("w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment)
-    return ServerProcess(process, http_port, grpc_port, metrics_port, log_path)
+    openai_ports = [int(a.split("=", 1)[1]) for a in extra_args if a.startswith("--openai-port=")]
+    return ServerProcess(process, http_port, grpc_port, metrics_port, log_path, (openai_ports or [None])[-1])
 
 
 def start_ready_server(
