@@ -27,7 +27,7 @@ from tritonclient.utils import InferenceServerException
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.demo import tiny_llava
 from triton_vllm_multistep.testing import multimodal
-from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, start_server
+from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, free_ports, start_server
 
 SHIPPED_MODEL = Path(__file__).resolve().parents[2] / "model_repository" / "vllm_model"
 STEPS8, STEPS1, MROPE = "vllm_model", "llava_steps1", "qwen2_vl"
@@ -57,11 +57,13 @@ def image_server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> I
     server = start_server(
         repository,
         root / "tritonserver.log",
+        f"--openai-port={free_ports(1)[0]}",
         "--model-control-mode=explicit",
         *(f"--load-model={name}" for name in (STEPS8, "preprocessing", "postprocessing", "ensemble")),
     )
     try:
         server.wait_ready(timeout=600)
+        server.wait_openai_ready()  # it serves the models loaded at READY: vllm_model
         grpcclient.InferenceServerClient(server.grpc_url).load_model(STEPS1)
         yield server
     finally:
@@ -151,6 +153,38 @@ def test_the_prompt_is_counted_with_its_image_tokens_as_vllm_counts_it(image_ser
     )
     assert int(result.data_responses[0]["num_input_tokens"][0]) == expected
     assert metric(scrape(image_server), "vllm:prompt_tokens_total", STEPS8) - before == expected
+
+
+def test_an_image_in_an_openai_chat_gets_the_kserve_answer_counted_with_its_image_tokens(
+    image_server: ServerProcess,
+) -> None:
+    """The OpenAI API (`--openai-port`): an image_url data URL in a chat message becomes the model's
+    `image` input beside the chat template's `<image>` placeholder, as under `vllm serve`."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{image_server.openai_url}/v1", api_key="unused", max_retries=0)
+    from transformers import AutoTokenizer
+
+    prompt = "<s>user: <image>\nWhat is in the image?\nassistant:"  # the chat template's rendering
+    ids = AutoTokenizer.from_pretrained(demo_models.resolve(LLAVA)).encode(prompt, add_special_tokens=False)
+    answers = {}
+    for name, image in (("red", RED), ("noise", NOISE)):
+        url = "data:image/png;base64," + multimodal.encode_image(image).decode()
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is in the image?"}]
+        chat = client.chat.completions.create(
+            model=STEPS8,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        # What vLLM's chat code sends: the template's text, tokenized without adding special tokens.
+        inputs = make_inputs(grpcclient, input_ids=ids, sampling=SAMPLING, stream=True, return_num_input_tokens=True)
+        kserve = _ok(grpc_generate(image_server.grpc_url, STEPS8, inputs=[*inputs, _image_input([image])], timeout=300))
+        assert chat.choices[0].message.content == kserve.text(), name
+        assert chat.usage.prompt_tokens == int(kserve.data_responses[0]["num_input_tokens"][0]) > 20
+        answers[name] = chat.choices[0].message.content
+    assert answers["red"] != answers["noise"]
 
 
 def test_the_ensemble_passes_the_image_to_the_llm(image_server: ServerProcess) -> None:

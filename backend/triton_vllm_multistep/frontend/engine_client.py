@@ -8,6 +8,9 @@ the engine). Tokenizer and ModelConfig are the model's own, read from its model.
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import io
 import logging
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
@@ -83,23 +86,33 @@ class TritonEngineClient(EngineClient):
         """Checks the request (a ValueError here is vLLM's 400), then returns its stream of outputs."""
         if not isinstance(prompt, Mapping) or "prompt_token_ids" not in prompt:
             raise triton_requests.UnsupportedRequest("only tokenized prompts reach this server's engine client")
-        if prompt.get("multi_modal_data"):
-            raise triton_requests.UnsupportedRequest(
-                "images through the OpenAI API are not served yet: send them to the Triton model's `image` input"
-            )
+        media = dict(prompt.get("multi_modal_data") or {})
+        images = media.pop("image", [])
+        images = images if isinstance(images, list) else [images]
+        if media:
+            raise triton_requests.UnsupportedRequest(f"{', '.join(sorted(media))} input is not served (images are)")
         if prompt_adapter_request is not None:
             raise triton_requests.UnsupportedRequest("prompt adapters are not served")
         if priority:
             raise triton_requests.UnsupportedRequest("priority is not supported (first come, first served)")
         lora_name = self._adapters.get(lora_request.lora_name) if lora_request is not None else None
         prompt_ids = list(prompt["prompt_token_ids"])
-        request = triton_requests.triton_request(prompt_ids, sampling_params, lora_name)
         completions = sampling_params._real_n or sampling_params.n
-        return self._stream(request_id, prompt_ids, request, completions)
+        return self._stream(request_id, prompt_ids, sampling_params, lora_name, images, completions)
 
     async def _stream(
-        self, request_id: str, prompt_ids: list[int], request: triton_requests.TritonRequest, completions: int
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        lora_name: str | None,
+        images: list[Any],
+        completions: int,
     ) -> AsyncGenerator[RequestOutput, None]:
+        # vLLM's chat code hands over decoded PIL images; the model's `image` input takes them
+        # base64-encoded (PNG: lossless, so the model decodes the same pixels), encoded off the loop.
+        encoded = await asyncio.to_thread(lambda: [encode_image(image) for image in images]) if images else []
+        request = triton_requests.triton_request(prompt_ids, params, lora_name, encoded)
         inputs = []
         for name, array in request.inputs.items():
             tensor = InferInput(name, list(array.shape), _triton_type(array))
@@ -209,6 +222,13 @@ class TritonEngineClient(EngineClient):
 
     async def is_sleeping(self) -> bool:
         return False
+
+
+def encode_image(image: Any) -> bytes:
+    """A PIL image as an element of the model's `image` input: PNG bytes, base64-encoded."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue())
 
 
 def _triton_type(array: np.ndarray) -> str:

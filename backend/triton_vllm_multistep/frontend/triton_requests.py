@@ -83,9 +83,11 @@ def sampling_parameters(params: SamplingParams, lora_name: str | None = None) ->
     return values
 
 
-def triton_request(prompt_token_ids: Sequence[int], params: SamplingParams, lora_name: str | None) -> TritonRequest:
-    """The request for a tokenized prompt: streamed (one response per step) when vLLM asks for
-    deltas, one response otherwise."""
+def triton_request(
+    prompt_token_ids: Sequence[int], params: SamplingParams, lora_name: str | None, images: Sequence[bytes] = ()
+) -> TritonRequest:
+    """The request for a tokenized prompt (and the base64 images its placeholders stand for, in
+    order): streamed (one response per step) when vLLM asks for deltas, one response otherwise."""
     stream = params.output_kind == RequestOutputKind.DELTA
     inputs = {
         "input_ids": np.asarray(prompt_token_ids, dtype=np.int32),
@@ -97,6 +99,11 @@ def triton_request(prompt_token_ids: Sequence[int], params: SamplingParams, lora
         "return_num_output_tokens": np.array([True], dtype=bool),
     }
     outputs = OUTPUTS
+    if images:
+        inputs["image"] = np.array(list(images), dtype=np.object_)
+        # The model counts the prompt with its image tokens; vLLM's usage counts it so too.
+        inputs["return_num_input_tokens"] = np.array([True], dtype=bool)
+        outputs = (*outputs, "num_input_tokens")
     if params.logprobs is not None:
         inputs["return_logprobs"] = np.array([True], dtype=bool)
         outputs = (*OUTPUTS, "logprobs")
@@ -111,7 +118,9 @@ def request_output(
     completions: int,
 ) -> RequestOutput:
     """vLLM's RequestOutput for one data response: one CompletionOutput per completion, with the
-    response's tokens (new ones when streamed, all of them otherwise)."""
+    response's tokens (new ones when streamed, all of them otherwise). An image prompt's ids are
+    extended to the count the model reports (`num_input_tokens`, image tokens included): vLLM's
+    serving code reads only their number (usage)."""
     counts = [int(c) for c in arrays["num_output_tokens"]]
     if len(counts) != completions:
         raise RuntimeError(f"the model answered {len(counts)} completion(s), {completions} asked for")
@@ -133,6 +142,10 @@ def request_output(
             )
         )
         start += count
+    if "num_input_tokens" in arrays and arrays["num_input_tokens"] is not None:
+        counted = int(arrays["num_input_tokens"][0])
+        if counted > len(prompt_token_ids) and prompt_token_ids:
+            prompt_token_ids = prompt_token_ids + [prompt_token_ids[-1]] * (counted - len(prompt_token_ids))
     return RequestOutput(
         request_id=request_id,
         prompt=None,
