@@ -142,7 +142,11 @@ class OpenAIStreams:
         import aiohttp
 
         self._url = f"{url}/v1/completions"
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+        # The servers (uvicorn) close a connection idle for 5 s; a pooled one kept longer (other
+        # servers' waves run in between) fails the next wave's POSTs: keep idle ones 2 s at most.
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=600), connector=aiohttp.TCPConnector(keepalive_timeout=2)
+        )
         self._body = {
             "model": MODEL,
             "max_tokens": max_tokens,

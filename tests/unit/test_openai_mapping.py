@@ -128,3 +128,23 @@ def test_adapters_are_served_as_model_lora_adapter_and_by_their_own_name_where_i
     assert names["a"] == {"a_lora_pirate": "pirate", "a_lora_shout": "shout", "shout": "shout"}
     assert names["b"] == {"b_lora_pirate": "pirate", "b_lora_b": "b"}  # "b" names a model
     assert names["c"] == {}
+
+
+def test_response_values_read_the_raw_outputs_as_tritonclient_does() -> None:
+    from tritonclient.grpc import service_pb2
+    from tritonclient.grpc._infer_result import InferResult
+
+    response = service_pb2.ModelInferResponse()
+    contents = {
+        "text_output": ("BYTES", b"".join(len(t).to_bytes(4, "little") + t for t in (b" a", "é".encode(), b""))),
+        "output_ids": ("INT32", np.array([5, -1, 70000], dtype=np.int32).tobytes()),
+        "num_output_tokens": ("UINT32", np.array([1, 2, 0], dtype=np.uint32).tobytes()),
+    }
+    for name, (datatype, raw) in contents.items():
+        response.outputs.add(name=name, datatype=datatype, shape=[3])
+        response.raw_output_contents.append(raw)
+    values = triton_requests.response_values(response)
+    reference = InferResult(response)
+    for name in contents:
+        assert values[name] == reference.as_numpy(name).tolist(), name
+    assert values["text_output"] == [b" a", "é".encode(), b""]

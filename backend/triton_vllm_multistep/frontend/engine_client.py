@@ -138,9 +138,9 @@ class TritonEngineClient(EngineClient):
                     raise await self._request_error(str(error))
                 response = result.get_response()
                 final = response.parameters.get("triton_final_response")
-                if result.as_numpy("num_output_tokens") is not None:
-                    arrays = {name: result.as_numpy(name) for name in request.outputs}
-                    yield triton_requests.request_output(request_id, prompt_ids, arrays, completions)
+                values = triton_requests.response_values(response)
+                if "num_output_tokens" in values:  # a data response (the empty FINAL has none)
+                    yield triton_requests.request_output(request_id, prompt_ids, values, completions)
                 if final is not None and final.bool_param:
                     ended = True
                     return

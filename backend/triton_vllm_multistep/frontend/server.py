@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 BACKEND_NAME = "vllm_multistep"
+# uvloop (vllm serve's loop; grpc.aio runs on it) cut this process's CPU per streamed token by
+# 0-25% against asyncio's own loop (docs/openai.md); "asyncio" in this variable chooses that one.
+LOOP_ENV = "TRITON_VLLM_MULTISTEP_OPENAI_LOOP"
 READY_TIMEOUT_SECONDS = 3600.0  # model loads can be long; the launcher stops this process with the server
 
 logger = logging.getLogger("triton_vllm_multistep.frontend")
@@ -155,6 +160,7 @@ def served_models(client: Any, models: list[tuple[str, str, dict, Path]]) -> lis
 async def serve(args: argparse.Namespace) -> None:
     import uvicorn
     from tritonclient.grpc import aio as grpcclient
+    from vllm.entrypoints.openai.api_server import TIMEOUT_KEEP_ALIVE
 
     from triton_vllm_multistep.frontend.app import build_openai_app
 
@@ -171,9 +177,9 @@ async def serve(args: argparse.Namespace) -> None:
             app,
             host=args.host or "0.0.0.0",
             port=args.port,
-            loop="asyncio",  # grpc.aio runs under asyncio's own loop
+            loop="none",  # this process's own loop (see main)
             log_level=args.uvicorn_log_level,
-            timeout_keep_alive=5,
+            timeout_keep_alive=TIMEOUT_KEEP_ALIVE,  # vllm serve's
             timeout_graceful_shutdown=args.shutdown_timeout,
         )
         server = uvicorn.Server(config)
@@ -190,7 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        asyncio.run(serve(args))
+        if os.environ.get(LOOP_ENV, "uvloop") == "uvloop" and importlib.util.find_spec("uvloop") is not None:
+            import uvloop
+
+            uvloop.run(serve(args))  # as vllm serve runs
+        else:
+            asyncio.run(serve(args))
     except Exception as error:
         print(f"[triton-vllm-multistep] the OpenAI server stopped: {type(error).__name__}: {error}", file=sys.stderr)
         return 1

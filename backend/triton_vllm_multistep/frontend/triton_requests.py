@@ -111,10 +111,37 @@ def triton_request(
     return TritonRequest(inputs, outputs, {"triton_enable_empty_final_response": True})
 
 
+def response_values(response: Any) -> dict[str, list[Any]]:
+    """A ModelInferResponse's outputs as Python lists, read from its raw contents directly (the
+    per-response cost of the OpenAI path: tritonclient's as_numpy builds an array per output). BYTES
+    elements are bytes; INT32/UINT32 are read in the host's byte order, which is KServe's little
+    endian on every platform Triton runs on (x86-64, aarch64)."""
+    values: dict[str, list[Any]] = {}
+    for output, raw in zip(response.outputs, response.raw_output_contents, strict=False):
+        if output.datatype == "BYTES":
+            values[output.name] = _bytes_elements(raw)
+        elif output.datatype in _INTEGER_FORMATS:
+            values[output.name] = memoryview(raw).cast(_INTEGER_FORMATS[output.datatype]).tolist()
+    return values
+
+
+_INTEGER_FORMATS = {"INT32": "i", "UINT32": "I"}
+
+
+def _bytes_elements(raw: bytes) -> list[bytes]:
+    """KServe's BYTES encoding: each element a 4-byte little-endian length, then its bytes."""
+    elements, offset = [], 0
+    while offset < len(raw):
+        size = int.from_bytes(raw[offset : offset + 4], "little")
+        elements.append(raw[offset + 4 : offset + 4 + size])
+        offset += 4 + size
+    return elements
+
+
 def request_output(
     request_id: str,
     prompt_token_ids: list[int],
-    arrays: Mapping[str, np.ndarray],
+    arrays: Mapping[str, Sequence[Any]],
     completions: int,
 ) -> RequestOutput:
     """vLLM's RequestOutput for one data response: one CompletionOutput per completion, with the
@@ -142,7 +169,7 @@ def request_output(
             )
         )
         start += count
-    if "num_input_tokens" in arrays and arrays["num_input_tokens"] is not None:
+    if arrays.get("num_input_tokens") is not None:
         counted = int(arrays["num_input_tokens"][0])
         if counted > len(prompt_token_ids) and prompt_token_ids:
             prompt_token_ids = prompt_token_ids + [prompt_token_ids[-1]] * (counted - len(prompt_token_ids))
