@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 BACKEND_NAME = "vllm_multistep"
-# uvloop (vllm serve's loop; grpc.aio runs on it) cut this process's CPU per streamed token by
-# 0-25% against asyncio's own loop (docs/openai.md); "asyncio" in this variable chooses that one.
+# asyncio's own loop, which grpc.aio supports; "uvloop" in this variable runs vllm serve's loop
+# instead (0-25% less CPU per streamed token here, but a model was seen not to unload at server
+# stop in a run with it: docs/openai.md).
 LOOP_ENV = "TRITON_VLLM_MULTISTEP_OPENAI_LOOP"
 READY_TIMEOUT_SECONDS = 3600.0  # model loads can be long; the launcher stops this process with the server
 
@@ -196,10 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        if os.environ.get(LOOP_ENV, "uvloop") == "uvloop" and importlib.util.find_spec("uvloop") is not None:
+        if os.environ.get(LOOP_ENV, "asyncio") == "uvloop" and importlib.util.find_spec("uvloop") is not None:
             import uvloop
 
-            uvloop.run(serve(args))  # as vllm serve runs
+            uvloop.run(serve(args))  # vllm serve's loop
         else:
             asyncio.run(serve(args))
     except Exception as error:
