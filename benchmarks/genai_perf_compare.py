@@ -104,30 +104,30 @@ def _ns(data: dict[str, Any]) -> bool:
 
 
 async def own_generator(server: Any, kind: str, concurrency: int, args: argparse.Namespace, prompt: str) -> dict:
-    """The served benchmark's client: waves of `concurrency` streams; best wave's tokens/s, p50s."""
+    """The served benchmark's client and figures (load.summarize: best wave's tokens/s, TTFT and ITL
+    as it defines them): waves of `concurrency` streams after an unmeasured one."""
     streams = load.streams_for(server, kind, args.output_tokens)
+    tally = load.LevelTally([], [], [], 0.0)
+    waves = max(2, args.requests_per_stream)
     try:
         await load.run_wave(streams, concurrency, 0)  # unmeasured
-        rates, records = [], []
-        for _ in range(max(2, args.requests_per_stream)):
+        for _ in range(waves):
             started = time.perf_counter()
             batch = await asyncio.gather(*(streams.request(f"{i} {prompt}") for i in range(concurrency)))
-            rates.append(sum(r.tokens for r in batch) / (time.perf_counter() - started))
-            records.extend(batch)
+            elapsed = time.perf_counter() - started
+            tally.records.extend(batch)
+            tally.seconds += elapsed
+            tally.wave_rates.append(sum(r.tokens for r in batch) / elapsed)
+            tally.wave_responses.append(sum(len(r.counts) for r in batch) / elapsed)
     finally:
         await streams.close()
-    ttft = sorted(1000 * (r.arrivals[0] - r.sent) for r in records if r.arrivals)
-    itl = sorted(
-        1000 * (r.arrivals[-1] - r.arrivals[0]) / (r.tokens - r.counts[0])
-        for r in records
-        if len(r.arrivals) > 1 and r.tokens > r.counts[0]
-    )
+    level = load.summarize(tally, concurrency, waves, args.output_tokens)
     return {
-        "tokens_per_s": max(rates),
-        "tokens_per_s_mean": sum(rates) / len(rates),
-        "ttft_ms_p50": ttft[len(ttft) // 2] if ttft else None,
-        "itl_ms_p50": itl[len(itl) // 2] if itl else None,
-        "errors": sum(1 for r in records if r.error or r.tokens != args.output_tokens),
+        "tokens_per_s": level["tokens_per_s"],
+        "tokens_per_s_mean": level["tokens_per_s_mean"],
+        "ttft_ms_p50": level["ttft_ms"]["p50"],
+        "itl_ms_p50": level["itl_ms"]["p50"],
+        "errors": level["errors"],
     }
 
 
