@@ -30,6 +30,7 @@ from triton_clients import grpc_generate
 
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.demo import smollm2
+from triton_vllm_multistep.host import openai_process
 from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, free_ports
 from triton_vllm_multistep.testing.polling import wait_for
 
@@ -50,11 +51,9 @@ def openai_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Se
     (port,) = free_ports(1)
     args = (f"--openai-port={port}", f"--openai-api-key={API_KEY}", "--model-control-mode=explicit", "--load-model=*")
     with serving(repository, root / "tritonserver.log", *args) as server:
-        base = f"http://127.0.0.1:{port}"
-        # Up, or the launcher has stopped (it stops the server when the OpenAI server exits).
-        wait_for(lambda: _status(f"{base}/health") == 200 or server.process.poll() is not None, timeout=300)
-        assert _status(f"{base}/health") == 200, f"the OpenAI server did not come up:\n{server.log_tail()}"
-        yield server, f"{base}/v1"
+        # Raises with the log if the launcher stops instead (it does when the OpenAI server exits).
+        server.wait_openai_ready()
+        yield server, f"{server.openai_url}/v1"
 
 
 def _status(url: str) -> int | None:
@@ -286,7 +285,7 @@ def test_an_unloaded_model_answers_503_and_health_says_so(
 
 def test_the_openai_server_stops_with_the_server(openai_server: tuple[ServerProcess, str]) -> None:
     server, base = openai_server
-    frontends = [p for p in server.descendants() if "triton_vllm_multistep.frontend" in " ".join(p.cmdline())]
+    frontends = [p for p in server.descendants() if openai_process.FRONTEND_MODULE in p.cmdline()]
     assert len(frontends) == 1
     assert server.stop() == 0
     assert not frontends[0].is_running() or frontends[0].status() == "zombie"

@@ -114,6 +114,7 @@ def test_the_launchers_openai_options_are_taken_out_of_tritonservers_argv() -> N
     assert argv[-2:] == ["--chat-template", "t.j2"]
     for bad, message in (
         (["--openai-api-key=k"], "needs --openai-port"),
+        (["--openai-args", "--chat-template t.j2"], "^--openai-args needs --openai-port$"),
         (["--openai-port=x"], "must be a port number"),
         (["--openai-port"], "needs a value"),
     ):
@@ -148,3 +149,11 @@ def test_response_values_read_the_raw_outputs_as_tritonclient_does() -> None:
     for name in contents:
         assert values[name] == reference.as_numpy(name).tolist(), name
     assert values["text_output"] == [b" a", "é".encode(), b""]
+
+
+def test_an_image_request_with_logprobs_asks_for_both_their_outputs() -> None:
+    params = SamplingParams(max_tokens=4, logprobs=2)
+    request = triton_requests.triton_request([1, 2], params, None, images=[b"aW1n"])
+    assert {"num_input_tokens", "logprobs"} <= set(request.outputs)
+    assert request.inputs["image"].tolist() == [b"aW1n"]
+    assert request.inputs["return_num_input_tokens"].tolist() == [True]

@@ -9,16 +9,13 @@ the engine). Tokenizer and ModelConfig are the model's own, read from its model.
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import logging
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
-import numpy as np
 from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.grpc import aio as grpcclient
-from tritonclient.utils import InferenceServerException
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 from vllm.config import DecodingConfig, ModelConfig
 from vllm.engine.protocol import EngineClient
 from vllm.lora.request import LoRARequest
@@ -27,6 +24,7 @@ from vllm.sampling_params import SamplingParams
 
 from triton_vllm_multistep.frontend import triton_requests
 from triton_vllm_multistep.frontend.errors import EngineUnavailable, is_unavailable
+from triton_vllm_multistep.stub.images import encode_image
 
 logger = logging.getLogger("triton_vllm_multistep.frontend")
 
@@ -115,7 +113,7 @@ class TritonEngineClient(EngineClient):
         request = triton_requests.triton_request(prompt_ids, params, lora_name, encoded)
         inputs = []
         for name, array in request.inputs.items():
-            tensor = InferInput(name, list(array.shape), _triton_type(array))
+            tensor = InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         outputs = [InferRequestedOutput(name) for name in request.outputs]
@@ -222,18 +220,3 @@ class TritonEngineClient(EngineClient):
 
     async def is_sleeping(self) -> bool:
         return False
-
-
-def encode_image(image: Any) -> bytes:
-    """A PIL image as an element of the model's `image` input: PNG bytes, base64-encoded."""
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue())
-
-
-def _triton_type(array: np.ndarray) -> str:
-    if array.dtype == np.bool_:
-        return "BOOL"
-    if array.dtype == np.int32:
-        return "INT32"
-    return "BYTES"

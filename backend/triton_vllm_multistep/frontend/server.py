@@ -131,11 +131,7 @@ def model_settings(name: str, version: str, loaded: dict, folder: Path) -> tuple
         trust_remote_code=model_config.trust_remote_code,
         revision=model_config.tokenizer_revision,
     )
-    adapters: tuple[Any, ...] = ()
-    if lora.lora_enabled(engine_json):
-        version_dir = folder / version if (folder / version).is_dir() else folder
-        adapters = lora.load_adapters(version_dir, engine_json, lora.local_model_dir(str(values["model"])))
-    return model_config, tokenizer, adapters
+    return model_config, tokenizer, lora.model_adapters(folder, version, engine_json, str(values["model"])) or ()
 
 
 def served_models(client: Any, models: list[tuple[str, str, dict, Path]]) -> list[Any]:

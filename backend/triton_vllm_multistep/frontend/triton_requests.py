@@ -106,7 +106,7 @@ def triton_request(
         outputs = (*outputs, "num_input_tokens")
     if params.logprobs is not None:
         inputs["return_logprobs"] = np.array([True], dtype=bool)
-        outputs = (*OUTPUTS, "logprobs")
+        outputs = (*outputs, "logprobs")
     # The empty FINAL tells the client the stream is over whatever the last data response said.
     return TritonRequest(inputs, outputs, {"triton_enable_empty_final_response": True})
 

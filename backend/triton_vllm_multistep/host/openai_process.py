@@ -47,9 +47,9 @@ def split_options(argv: Sequence[str]) -> tuple[OpenAIOptions | None, list[str]]
     index = 0
     while index < len(args):
         arg = args[index]
-        name, _, value = arg.partition("=")
+        name, equals, value = arg.partition("=")
         if name in _OPTIONS:
-            if not _:
+            if not equals:
                 if index + 1 >= len(args):
                     raise OpenAIOptionError(f"{name} needs a value")
                 index += 1
@@ -60,9 +60,8 @@ def split_options(argv: Sequence[str]) -> tuple[OpenAIOptions | None, list[str]]
         index += 1
     if "port" not in values:
         if values:
-            raise OpenAIOptionError(
-                f"{', '.join('--openai-' + k.replace('_', '-') for k in values)} needs --openai-port"
-            )
+            given = ", ".join(name for name, field in _OPTIONS.items() if field in values)
+            raise OpenAIOptionError(f"{given} needs --openai-port")
         return None, rest
     try:
         port = int(values["port"])

@@ -25,6 +25,13 @@ import numpy as np
 IMAGE_INPUT = "image"
 
 
+def encode_image(image: Any, image_format: str = "PNG") -> bytes:
+    """A PIL image as an element of the `image` input: its file bytes (PNG: lossless), base64-encoded."""
+    buffer = io.BytesIO()
+    image.save(buffer, format=image_format)
+    return base64.b64encode(buffer.getvalue())
+
+
 class ImageError(ValueError):
     """An `image` element the model cannot take; the message names the input and the element."""
 

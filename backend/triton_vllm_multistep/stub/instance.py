@@ -203,16 +203,7 @@ class ModelServer:
 
             engine_values = config.engine_args_values(engine_json, model_dir, self.settings)
             engine_args = config.to_engine_args(engine_values)
-            # multi_lora.json beside model.json (the version folder, as in Triton's vLLM backend).
-            self.adapters = (
-                lora.load_adapters(
-                    model_dir / version if (model_dir / version).is_dir() else model_dir,
-                    engine_json,
-                    lora.local_model_dir(str(engine_values["model"])),
-                )
-                if lora.lora_enabled(engine_json)
-                else None
-            )
+            self.adapters = lora.model_adapters(model_dir, version, engine_json, str(engine_values["model"]))
             # The stub is a child of tritonserver: its command line says how it runs.
             self._server_command = triton_command.of_process(os.getppid())
             user_threads = thread_choice_of_user()  # before the build: vLLM sets OMP_NUM_THREADS during it

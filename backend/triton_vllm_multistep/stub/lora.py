@@ -189,6 +189,17 @@ def load_adapters(version_dir: Path, engine_json: Mapping[str, Any], model_dir: 
     return tuple(adapters)
 
 
+def model_adapters(
+    model_dir: Path, version: str, engine_json: Mapping[str, Any], model: str
+) -> tuple[Adapter, ...] | None:
+    """The checked adapters of a model version's multi_lora.json, beside model.json (the version
+    folder, as in Triton's vLLM backend); None with LoRA off. `model`: the engine's resolved `model`."""
+    if not lora_enabled(engine_json):
+        return None
+    version_dir = model_dir / version if (model_dir / version).is_dir() else model_dir
+    return load_adapters(version_dir, engine_json, local_model_dir(model))
+
+
 def local_model_dir(model: str) -> Path | None:
     """The base model's folder when it is local (the engine's resolved `model` argument)."""
     path = Path(os.path.expanduser(model))

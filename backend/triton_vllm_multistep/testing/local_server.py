@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from triton_vllm_multistep.host import openai_process
 from triton_vllm_multistep.lifecycle import procfs, triton_command
 
 
@@ -50,7 +51,6 @@ def copy_model(
 
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST_CHOSEN_PORT = 15000
-OPENAI_SERVER_MODULE = "triton_vllm_multistep.frontend"  # its process: python -m <this>
 
 
 def ephemeral_port_range() -> tuple[int, int]:
@@ -175,7 +175,7 @@ class ServerProcess:
                 continue
             if triton_command.is_python_backend_stub(argv):
                 groups["stub"].append(pid)
-            elif triton_command.is_tritonserver(argv) or OPENAI_SERVER_MODULE in argv:
+            elif triton_command.is_tritonserver(argv) or openai_process.FRONTEND_MODULE in argv:
                 groups["tritonserver"].append(pid)  # the front ends: KServe and the OpenAI API
             else:
                 groups["engine"].append(pid)
