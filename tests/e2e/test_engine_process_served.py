@@ -19,6 +19,7 @@ from private_servers import make_repository, serving
 from triton_clients import StreamResult, grpc_generate
 
 from triton_vllm_multistep.engine import cpu_placement
+from triton_vllm_multistep.lifecycle import procfs
 from triton_vllm_multistep.testing.local_server import ServerProcess
 from triton_vllm_multistep.testing.polling import wait_for
 
@@ -56,11 +57,10 @@ def _engine_cpu() -> int:
 
 def _engine_processes(server: ServerProcess, model: str | None = None) -> list[psutil.Process]:
     """Engine processes below the server (of `model`'s stub only, if named)."""
-    below = psutil.Process(server.process.pid).children(recursive=True)
-    engines = [p for p in below if ENGINE_PROCESS_MODULE in " ".join(p.cmdline())]
+    engines = server.running_with(ENGINE_PROCESS_MODULE)
     if model is None:
         return engines
-    return [p for p in engines if f"/{model}/" in " ".join(p.parent().cmdline())]
+    return [p for p in engines if f"/{model}/" in " ".join(procfs.cmdline(p.ppid()))]
 
 
 def test_the_engine_runs_in_its_own_process_and_streams_what_the_stub_engine_streams(server: ServerProcess) -> None:

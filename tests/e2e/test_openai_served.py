@@ -285,7 +285,7 @@ def test_an_unloaded_model_answers_503_and_health_says_so(
 
 def test_the_openai_server_stops_with_the_server(openai_server: tuple[ServerProcess, str]) -> None:
     server, base = openai_server
-    frontends = [p for p in server.descendants() if openai_process.FRONTEND_MODULE in p.cmdline()]
+    frontends = server.running_with(openai_process.FRONTEND_MODULE)
     assert len(frontends) == 1
     assert server.stop() == 0
     assert not frontends[0].is_running() or frontends[0].status() == "zombie"

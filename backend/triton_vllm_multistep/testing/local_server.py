@@ -164,6 +164,15 @@ class ServerProcess:
         """psutil processes below the launcher: tritonserver and its Python backend stubs."""
         return _as_psutil(procfs.descendants(self.process.pid))
 
+    def running_with(self, argument: str) -> list[Any]:
+        """Running processes below the launcher whose command line holds `argument`, as psutil
+        processes; zombies and processes gone meanwhile are left out (psutil raises on their
+        command lines)."""
+        pids = procfs.descendants(self.process.pid)
+        return _as_psutil(
+            [pid for pid in pids if any(argument in arg for arg in procfs.cmdline(pid)) and procfs.alive(pid)]
+        )
+
     def process_groups(self) -> dict[str, list[Any]]:
         """Live tritonserver, Python backend stub (where the engines run) and engine processes (models
         with `engine_process: true`, or any other process below the server, e.g. the engine process
