@@ -16,10 +16,14 @@ Files, checked at every forward pass or send (`<fault>` is the FAULT_FILE_ENV pa
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from triton_vllm_multistep.engine.extensions import HOOKS_ENV, MODEL_NAME_ENV
@@ -54,7 +58,9 @@ def install() -> None:
     if not path:
         raise RuntimeError(f"{__name__} is installed but {FAULT_FILE_ENV} is not set")
     fault_file = Path(path)
-    _patch_engine_loop(fault_file)
+    # At the loop's own import, not now: importing it imports vLLM (~10 s), which a stub that
+    # refuses its settings before building an engine would otherwise pay for these hooks' sake.
+    _when_imported("triton_vllm_multistep.engine.loop", lambda loop: _patch_engine_loop(loop, fault_file))
     if "triton_python_backend_utils" in sys.modules:  # a stub (model.py imported it): it sends responses
         _patch_responder(fault_file)
 
@@ -63,9 +69,40 @@ def _model() -> str:
     return os.environ.get(MODEL_NAME_ENV, "")
 
 
-def _patch_engine_loop(fault_file: Path) -> None:
-    from triton_vllm_multistep.engine import loop
+class _PatchAtImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: hands back the spec of module `name` with `patch` run on the module
+    right after it executes, then leaves sys.meta_path."""
 
+    def __init__(self, name: str, patch: Callable[[ModuleType], None]) -> None:
+        self.name = name
+        self.patch = patch
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_patch(module: ModuleType) -> None:
+            exec_module(module)
+            self.patch(module)
+
+        spec.loader.exec_module = exec_then_patch  # type: ignore[method-assign]
+        return spec
+
+
+def _when_imported(name: str, patch: Callable[[ModuleType], None]) -> None:
+    """Run `patch` on module `name` now if it is imported, else right after its first import."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _PatchAtImport(name, patch))
+
+
+def _patch_engine_loop(loop: ModuleType, fault_file: Path) -> None:
     serve = loop.EngineLoop.serve
 
     def serve_with_faults(self: Any, *args: Any, **kwargs: Any) -> None:
