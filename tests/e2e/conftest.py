@@ -4,6 +4,10 @@ The server serves a copy of the shipped model_repository/ on the tiny demo model
 one serves the real model, tested by test_real_model.py on a server of its own) plus test
 variants of the LLM model (the other tokenizer; single-step scheduling; per-window streaming)
 so both demo tokenizers are covered.
+
+A second session server (`smollm2_lora_server`) serves the README's LoRA repository (the real
+model with `pirate` and `shout`) plus a single-step copy, with the OpenAI API: the real-model
+LoRA checks and the OpenAI checks share it (one start of the real model instead of two).
 """
 
 from __future__ import annotations
@@ -14,9 +18,25 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from served_models import LLM_MODEL, LLM_VARIANTS, REAL_MODEL, SHIPPED_REPOSITORY, TINY_ENGINE, TINY_MODEL
+from private_servers import readme_lora_repository
+from served_models import (
+    LLM_MODEL,
+    LLM_VARIANTS,
+    OPENAI_API_KEY,
+    REAL_MODEL,
+    SHIPPED_REPOSITORY,
+    STEPS1,
+    TINY_ENGINE,
+    TINY_MODEL,
+)
 
-from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, start_ready_server
+from triton_vllm_multistep.testing.local_server import (
+    ServerProcess,
+    copy_model,
+    free_ports,
+    start_ready_server,
+    start_server,
+)
 
 
 def _add_variant(repository: Path, name: str, overrides: dict) -> None:
@@ -77,3 +97,23 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         handle.stop()
         if os.environ.get("CI"):
             print(f"\n--- tritonserver log tail ---\n{handle.log_tail(40)}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_lora_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The README's LoRA repository made by its commands, plus a single-step copy of its LLM model
+    (LoRA on too), every model loaded, with the OpenAI API (`--openai-port`, `--openai-api-key`)."""
+    root = tmp_path_factory.mktemp("smollm2-lora")
+    repository = readme_lora_repository(root / "lora_repository")
+    assert '"enable_lora": true' in (repository / LLM_MODEL / "1" / "model.json").read_text()
+    copy_model(repository / LLM_MODEL, repository / STEPS1, {"num_scheduler_steps": 1})
+    (port,) = free_ports(1)
+    args = (f"--openai-port={port}", f"--openai-api-key={OPENAI_API_KEY}", "--model-control-mode=explicit")
+    server = start_server(repository, root / "tritonserver.log", *args, "--load-model=*")
+    try:
+        server.wait_ready(timeout=600)
+        # Raises with the log if the launcher stops instead (it does when the OpenAI server exits).
+        server.wait_openai_ready()
+        yield server
+    finally:
+        server.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import re
 import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,7 @@ __all__ = [
     "make_repository",
     "metric",
     "model_ready",
+    "readme_lora_repository",
     "scrape",
     "stub_processes",
     "wait_for",
@@ -88,3 +90,18 @@ def serving(repository: Path, log_path: Path, *server_args: str) -> Iterator[Ser
         yield server
     finally:
         server.stop()
+
+
+def readme_lora_commands() -> list[str]:
+    """The README's LoRA block: the repository copy and the sed that turns LoRA on."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    block = readme.split("cp -r model_repository /tmp/lora_repository", 1)[1].split("```", 1)[0]
+    sed = next(line for line in block.splitlines() if line.startswith("sed -i"))
+    return ["cp -r model_repository /tmp/lora_repository", sed]
+
+
+def readme_lora_repository(target: Path) -> Path:
+    """The README's LoRA repository, made by its own commands (shell, from the project root) at `target`."""
+    for command in readme_lora_commands():
+        subprocess.run(command.replace("/tmp/lora_repository", str(target)), shell=True, check=True, cwd=REPO_ROOT)
+    return target

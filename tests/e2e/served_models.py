@@ -7,6 +7,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_REPOSITORY = REPO_ROOT / "model_repository"
 LLM_MODEL = "vllm_model"
+STEPS1 = "vllm_model_steps1"  # a single-step copy of the LLM model, on every server that has one
+OPENAI_API_KEY = "test-key"  # smollm2_lora_server's --openai-api-key
 REAL_MODEL = "demo://smollm2-135m-instruct"
 # The shipped repository serves the real model; the tests' exactness checks run on the tiny demo
 # model (fast, and far from greedy ties), so the test repository's pipeline uses it instead.

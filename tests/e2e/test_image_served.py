@@ -6,8 +6,8 @@ behind the shipped ensemble) and 1: the image changes the answer, the same image
 answer, steps 8 == steps 1 == transformers' LLaVA, streamed == whole; images and text-only requests
 mixed in one concurrent batch each equal their solo runs; the prompt is counted with its image
 tokens (num_input_tokens, vllm:prompt_tokens_total); the ensemble passes `image` on; bad images fail
-alone, naming `image`; an M-RoPE model (Qwen2-VL) fails its load with multi-step, naming why.
-Owns the served image checks; must not assert on timings.
+alone, naming `image`; an M-RoPE model (Qwen2-VL) fails its load with multi-step, naming why;
+the OpenAI server (`--openai-port`) stops with the server. Owns the served image checks; must not assert on timings.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 import tritonclient.grpc as grpcclient
 from PIL import Image
 from private_servers import copy_pipeline_stages, metric, model_ready, scrape
@@ -26,6 +27,7 @@ from tritonclient.utils import InferenceServerException
 
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.demo import tiny_llava
+from triton_vllm_multistep.host import openai_process
 from triton_vllm_multistep.testing import multimodal
 from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, free_ports, start_server
 
@@ -242,3 +244,13 @@ def test_an_m_rope_model_fails_its_load_with_multi_step_naming_why(image_server:
     assert "set num_scheduler_steps to 1 for this model" in message
     assert not model_ready(image_server, MROPE)
     assert _ok(_generate(image_server, STEPS8, multimodal.IMAGE_PROMPT, [RED])).token_ids()
+
+
+def test_the_openai_server_stops_with_the_server(image_server: ServerProcess) -> None:
+    """Last in the module: the server is stopped (the OpenAI checks share a server that stays up)."""
+    frontends = image_server.running_with(openai_process.FRONTEND_MODULE)
+    assert len(frontends) == 1
+    assert image_server.stop() == 0
+    assert not frontends[0].is_running() or frontends[0].status() == "zombie"
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"{image_server.openai_url}/health", timeout=5)

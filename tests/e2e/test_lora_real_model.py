@@ -3,8 +3,9 @@ repository, `enable_lora` turned on with sed), the demo adapters of the shipped 
 (`pirate`, `shout`, trained locally by set-up) through the ensemble and the client example.
 
 Each adapter visibly changes the answer, gives the same tokens at steps 8 as at steps 1, and the
-same as transformers with the adapter merged into the weights. Owns the real-model LoRA checks;
-must not assert on timings.
+same as transformers with the adapter merged into the weights. On the session's SmolLM2 LoRA
+server (conftest.py), shared with the OpenAI checks. Owns the real-model LoRA checks; must not
+assert on timings.
 """
 
 from __future__ import annotations
@@ -12,43 +13,32 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from private_servers import REPO_ROOT, serving
-from served_models import LLM_MODEL
+import tritonclient.grpc as grpcclient
+from private_servers import REPO_ROOT, model_ready
+from served_models import LLM_MODEL, STEPS1
 from test_real_model import chat_ids
 from transformers import AutoTokenizer
 from triton_clients import grpc_generate
 
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.testing import lora
-from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model
+from triton_vllm_multistep.testing.local_server import ServerProcess
 
 README = (REPO_ROOT / "README.md").read_text()
-STEPS1 = "vllm_model_steps1"
 QUESTION = "What is the capital of France?"
 
 
-def readme_commands() -> list[str]:
-    """The README's LoRA block: the repository copy and the sed that turns LoRA on."""
-    block = README.split("cp -r model_repository /tmp/lora_repository", 1)[1].split("```", 1)[0]
-    sed = next(line for line in block.splitlines() if line.startswith("sed -i"))
-    return ["cp -r model_repository /tmp/lora_repository", sed]
-
-
 @pytest.fixture(scope="module")
-def lora_real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    root = tmp_path_factory.mktemp("lora-real-model")
-    copy, sed = readme_commands()
-    repository = root / "lora_repository"
-    subprocess.run(copy.replace("/tmp/lora_repository", str(repository)), shell=True, check=True, cwd=REPO_ROOT)
-    subprocess.run(sed.replace("/tmp/lora_repository", str(repository)), shell=True, check=True, cwd=REPO_ROOT)
-    assert '"enable_lora": true' in (repository / LLM_MODEL / "1" / "model.json").read_text()
-    copy_model(repository / LLM_MODEL, repository / STEPS1, {"num_scheduler_steps": 1})
-    with serving(repository, root / "tritonserver.log") as server:
-        yield server
+def lora_real_server(smollm2_lora_server: ServerProcess) -> ServerProcess:
+    """The README's LoRA repository made by its commands, plus a single-step copy (conftest.py); the
+    single-step copy loaded again if the OpenAI checks' unload ran first."""
+    if not model_ready(smollm2_lora_server, STEPS1):
+        with grpcclient.InferenceServerClient(smollm2_lora_server.grpc_url) as client:
+            client.load_model(STEPS1)
+    return smollm2_lora_server
 
 
 def _answer(server: ServerProcess, ids: list[int], adapter: str | None, model: str = LLM_MODEL) -> list[int]:

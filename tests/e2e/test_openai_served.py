@@ -1,15 +1,17 @@
 """The OpenAI-compatible API (`serve --openai-port`) through the real server, with the official
 `openai` client.
 
-One server of its own: the shipped model (SmolLM2-135M-Instruct, steps 8, LoRA on with the demo
-adapters `pirate` and `shout`) and a single-step copy, started by the launcher with
-`--openai-port` and `--openai-api-key`. Chat and completions, whole and streamed, equal steps 1
-and the KServe gRPC path token for token (greedy and seeded), one chunk per step, usage (also in
-streams), stop, n, logprobs, response_format, adapters as models, 16 concurrent streams each equal
-to its solo answer, a disconnect that frees the engine, the error cases (400 naming the field, 404,
-401, 503 for an unloaded model); and the contract with Triton's own OpenAI frontend: the requests
-it builds for a vLLM-format model (its README's tensor names and sampling-parameter JSON) served.
-Owns the OpenAI checks; must not assert on timings.
+On the session's SmolLM2 LoRA server (conftest.py: the README's LoRA repository, SmolLM2-135M-Instruct
+at steps 8 with the demo adapters `pirate` and `shout`, and a single-step copy, started by the
+launcher with `--openai-port` and `--openai-api-key`). Chat and completions, whole and streamed,
+equal steps 1 and the KServe gRPC path token for token (greedy and seeded), one chunk per step,
+usage (also in streams), stop, n, logprobs, response_format, adapters as models, 16 concurrent
+streams each equal to its solo answer, a disconnect that frees the engine, the error cases (400
+naming the field, 404, 401, 503 for an unloaded model); and the contract
+with Triton's own OpenAI frontend: the requests it builds for a vLLM-format model (its README's
+tensor names and sampling-parameter JSON) served. The OpenAI server stopping with the server is
+checked on the image server (test_image_served.py), whose stop is its own. Owns the OpenAI checks;
+must not assert on timings.
 """
 
 from __future__ import annotations
@@ -17,43 +19,30 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 import requests
-from private_servers import metric, scrape, serving
-from served_models import LLM_MODEL, SHIPPED_REPOSITORY
+from private_servers import metric, scrape
+from served_models import LLM_MODEL, OPENAI_API_KEY, STEPS1
 from transformers import AutoTokenizer
 from triton_clients import grpc_generate
 
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.demo import smollm2
-from triton_vllm_multistep.host import openai_process
-from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, free_ports
+from triton_vllm_multistep.testing.local_server import ServerProcess
 from triton_vllm_multistep.testing.polling import wait_for
 
-STEPS1 = "vllm_model_steps1"
-API_KEY = "test-key"
-LORA = {"enable_lora": True, "max_lora_rank": 8}
+API_KEY = OPENAI_API_KEY
 QUESTION = "What is the capital of France?"
 GREEDY = {"temperature": 0, "max_tokens": 24}
 
 
 @pytest.fixture(scope="module")
-def openai_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, str]]:
-    root = tmp_path_factory.mktemp("openai")
-    repository = root / "repository"
-    repository.mkdir()
-    copy_model(SHIPPED_REPOSITORY / LLM_MODEL, repository / LLM_MODEL, LORA)
-    copy_model(SHIPPED_REPOSITORY / LLM_MODEL, repository / STEPS1, {"num_scheduler_steps": 1})
-    (port,) = free_ports(1)
-    args = (f"--openai-port={port}", f"--openai-api-key={API_KEY}", "--model-control-mode=explicit", "--load-model=*")
-    with serving(repository, root / "tritonserver.log", *args) as server:
-        # Raises with the log if the launcher stops instead (it does when the OpenAI server exits).
-        server.wait_openai_ready()
-        yield server, f"{server.openai_url}/v1"
+def openai_server(smollm2_lora_server: ServerProcess) -> tuple[ServerProcess, str]:
+    """The session's SmolLM2 LoRA server (conftest.py) and its OpenAI base URL."""
+    return smollm2_lora_server, f"{smollm2_lora_server.openai_url}/v1"
 
 
 def _status(url: str) -> int | None:
@@ -88,9 +77,12 @@ def _streamed_chat(client: openai.OpenAI, model: str = LLM_MODEL, **extra: objec
 
 def test_the_models_are_listed_by_their_triton_names_with_their_adapters(client: openai.OpenAI) -> None:
     listed = {model.id: model for model in client.models.list()}
-    adapters = {"pirate", "shout", f"{LLM_MODEL}_lora_pirate", f"{LLM_MODEL}_lora_shout"}
-    assert set(listed) == {LLM_MODEL, STEPS1} | adapters
-    assert all(listed[name].parent == LLM_MODEL for name in adapters)  # vLLM lists an adapter with its base
+    adapters = {f"{model}_lora_{adapter}": model for model in (LLM_MODEL, STEPS1) for adapter in ("pirate", "shout")}
+    # Both models have `pirate` and `shout`: the adapters' own names are not unique, so not served.
+    assert set(listed) == {LLM_MODEL, STEPS1} | set(adapters)
+    assert all(listed[name].parent == base for name, base in adapters.items())  # vLLM lists an adapter with its base
+    with pytest.raises(openai.NotFoundError):
+        _chat(client, "pirate", max_tokens=4)
 
 
 def test_chat_whole_and_streamed_one_chunk_per_step_equal_steps_1_and_kserve(
@@ -163,9 +155,9 @@ def test_an_adapter_served_as_a_model_equals_its_kserve_answer_and_changes_it(
     ids = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True)
     base = _chat(client, **GREEDY).choices[0].message.content
     for adapter in ("pirate", "shout"):
-        text = _chat(client, adapter, **GREEDY).choices[0].message.content
-        # Also by Triton's OpenAI frontend's name for it (`<model>_lora_<adapter>`).
-        assert _chat(client, f"{LLM_MODEL}_lora_{adapter}", **GREEDY).choices[0].message.content == text
+        # By Triton's OpenAI frontend's name for it (`<model>_lora_<adapter>`); steps 8 = steps 1.
+        text = _chat(client, f"{LLM_MODEL}_lora_{adapter}", **GREEDY).choices[0].message.content
+        assert _chat(client, f"{STEPS1}_lora_{adapter}", **GREEDY).choices[0].message.content == text
         kserve = grpc_generate(
             openai_server[0].grpc_url, LLM_MODEL, input_ids=ids, sampling={**GREEDY, "lora_name": adapter}
         )
@@ -272,7 +264,9 @@ def test_triton_openai_frontends_requests_for_a_vllm_model_are_served(
 def test_an_unloaded_model_answers_503_and_health_says_so(
     client: openai.OpenAI, openai_server: tuple[ServerProcess, str]
 ) -> None:
-    """Last in the module: the model stays unloaded."""
+    """Last in the module, and the last user of the session's server in a whole run (modules run in
+    name order): the model stays unloaded (a reload here was seen to hold the server's stop for its
+    whole exit timeout); test_lora_real_model.py loads it again should it run later."""
     server, base = openai_server
     assert requests.post(f"{server.http_url}/v2/repository/models/{STEPS1}/unload", timeout=60).status_code == 200
     assert wait_for(lambda: _status(f"{server.http_url}/v2/models/{STEPS1}/ready") != 200, timeout=120)
@@ -281,12 +275,3 @@ def test_an_unloaded_model_answers_503_and_health_says_so(
     assert caught.value.status_code == 503
     assert _status(f"{base.removesuffix('/v1')}/health") == 503
     assert _chat(client, max_tokens=4).choices[0].message.content  # the other model serves on
-
-
-def test_the_openai_server_stops_with_the_server(openai_server: tuple[ServerProcess, str]) -> None:
-    server, base = openai_server
-    frontends = server.running_with(openai_process.FRONTEND_MODULE)
-    assert len(frontends) == 1
-    assert server.stop() == 0
-    assert not frontends[0].is_running() or frontends[0].status() == "zombie"
-    assert _status(f"{base.removesuffix('/v1')}/health") is None

@@ -79,16 +79,6 @@ def served(server: ServerProcess, ids: list[int], sampling: dict, model: str = L
     return result
 
 
-def served_together(server: ServerProcess, jobs: list[tuple[list[int], dict, dict]]) -> list[StreamResult]:
-    """`served` for each (ids, sampling, flags) job, all sent at once: the steps-8 and steps-1 engines
-    run side by side (one core each), and a steps-8 batch gives each request its solo tokens
-    (test_constrained_and_unconstrained_requests_mixed_in_one_concurrent_batch_each_equal_their_solo_run)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        return list(pool.map(lambda job: served(server, job[0], job[1], **job[2]), jobs))
-
-
 def test_greedy_equals_hf_and_offline_vllm_streamed_whole_and_steps_1(
     real_server: ServerProcess, real_model_path: Path, prompts: list[list[int]]
 ) -> None:
@@ -109,14 +99,9 @@ def test_greedy_equals_hf_and_offline_vllm_streamed_whole_and_steps_1(
         hf = model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=MAX_TOKENS, do_sample=False)[
             0, len(ids) :
         ].tolist()
-        streamed, whole, single_step = served_together(
-            real_server,
-            [
-                (ids, GREEDY, {"stream": True}),
-                (ids, GREEDY, {"stream": False, "exclude_input_in_output": True}),
-                (ids, GREEDY, {"model": STEPS1, "stream": True}),
-            ],
-        )
+        streamed = served(real_server, ids, GREEDY, stream=True)
+        whole = served(real_server, ids, GREEDY, stream=False, exclude_input_in_output=True)
+        single_step = served(real_server, ids, GREEDY, model=STEPS1, stream=True)
         assert streamed.token_ids() == whole.token_ids() == single_step.token_ids() == offline_ids == hf
         assert streamed.text() == whole.text() == single_step.text()
 
@@ -199,11 +184,9 @@ def test_structured_output_at_steps_8_equals_steps_1_streamed_and_whole_and_obey
     tokenizer = AutoTokenizer.from_pretrained(real_model_path)
     ids = chat_ids(tokenizer, question)
     sampling = {"temperature": 0, "max_tokens": 128, "guided_decoding": json.dumps(constraint)}
-    streamed, whole, one = served_together(
-        real_server,
-        [(ids, sampling, {"stream": True, "return_finish_reason": True}), (ids, sampling, {}),
-         (ids, sampling, {"model": STEPS1, "stream": True})],
-    )  # fmt: skip
+    streamed = served(real_server, ids, sampling, stream=True, return_finish_reason=True)
+    whole = served(real_server, ids, sampling)
+    one = served(real_server, ids, sampling, model=STEPS1, stream=True)
     assert streamed.token_ids() == whole.token_ids() == one.token_ids(), kind
     assert all(len(r["output_ids"]) == 1 for r in streamed.data_responses)  # one response per step
     text = streamed.text()
@@ -397,19 +380,13 @@ def test_structured_output_through_the_ensemble_at_steps_8_equals_the_llm_at_ste
     question, constraint = ENSEMBLE_STRUCTURED[kind]
     ids = chat_ids(AutoTokenizer.from_pretrained(real_model_path), question)
     sampling = {"temperature": 0, "max_tokens": 128, "guided_decoding": json.dumps(constraint)}
-    from concurrent.futures import ThreadPoolExecutor
-
-    def ensemble(stream: bool) -> StreamResult:
-        inputs = _ensemble_chat_inputs(question, sampling, stream)
-        return grpc_generate(real_server.grpc_url, "ensemble", inputs=inputs, timeout=PATIENT)
-
-    # All three at once (as served_together): the two engines run side by side.
-    with ThreadPoolExecutor(3) as pool:
-        single_step = pool.submit(
-            served, real_server, ids, sampling, model=STEPS1, stream=True, return_finish_reason=True, timeout=PATIENT
+    one = served(real_server, ids, sampling, model=STEPS1, stream=True, return_finish_reason=True, timeout=PATIENT)
+    streamed, whole = (
+        grpc_generate(
+            real_server.grpc_url, "ensemble", inputs=_ensemble_chat_inputs(question, sampling, stream), timeout=PATIENT
         )
-        streamed, whole = pool.map(ensemble, (True, False))
-        one = single_step.result()
+        for stream in (True, False)
+    )
     for result in (streamed, whole):
         assert result.error is None and result.finals == 1, (kind, result.error)
     text = streamed.text()
