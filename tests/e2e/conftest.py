@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from private_servers import readme_lora_repository
+from private_servers import readme_lora_repository, serving
 from served_models import (
     LLM_MODEL,
     LLM_VARIANTS,
@@ -30,13 +30,7 @@ from served_models import (
     TINY_MODEL,
 )
 
-from triton_vllm_multistep.testing.local_server import (
-    ServerProcess,
-    copy_model,
-    free_ports,
-    start_ready_server,
-    start_server,
-)
+from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, free_ports, start_ready_server
 
 
 def _add_variant(repository: Path, name: str, overrides: dict) -> None:
@@ -109,11 +103,7 @@ def smollm2_lora_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
     copy_model(repository / LLM_MODEL, repository / STEPS1, {"num_scheduler_steps": 1})
     (port,) = free_ports(1)
     args = (f"--openai-port={port}", f"--openai-api-key={OPENAI_API_KEY}", "--model-control-mode=explicit")
-    server = start_server(repository, root / "tritonserver.log", *args, "--load-model=*")
-    try:
-        server.wait_ready(timeout=600)
+    with serving(repository, root / "tritonserver.log", *args, "--load-model=*") as server:
         # Raises with the log if the launcher stops instead (it does when the OpenAI server exits).
         server.wait_openai_ready()
         yield server
-    finally:
-        server.stop()

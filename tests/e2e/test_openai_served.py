@@ -34,7 +34,6 @@ from triton_vllm_multistep.demo import smollm2
 from triton_vllm_multistep.testing.local_server import ServerProcess
 from triton_vllm_multistep.testing.polling import wait_for
 
-API_KEY = OPENAI_API_KEY
 QUESTION = "What is the capital of France?"
 GREEDY = {"temperature": 0, "max_tokens": 24}
 
@@ -54,7 +53,7 @@ def _status(url: str) -> int | None:
 
 @pytest.fixture(scope="module")
 def client(openai_server: tuple[ServerProcess, str]) -> openai.OpenAI:
-    return openai.OpenAI(base_url=openai_server[1], api_key=API_KEY, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=openai_server[1], api_key=OPENAI_API_KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +179,7 @@ def test_sixteen_concurrent_streams_each_equal_their_solo_answer(openai_server: 
         return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
     async def run(concurrent: bool) -> list[str]:
-        async with openai.AsyncOpenAI(base_url=openai_server[1], api_key=API_KEY, max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=openai_server[1], api_key=OPENAI_API_KEY, max_retries=0) as client:
             if concurrent:
                 return list(await asyncio.gather(*(one(client, q, s) for q, s in zip(questions, seeds, strict=True))))
             return [await one(client, q, s) for q, s in zip(questions[:4], seeds[:4], strict=True)]
@@ -202,7 +201,9 @@ def test_a_client_that_disconnects_frees_the_engine(openai_server: tuple[ServerP
         "stream": True,
     }
     with httpx.Client(timeout=60) as http:
-        with http.stream("POST", f"{base}/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        with http.stream(
+            "POST", f"{base}/completions", json=body, headers={"Authorization": f"Bearer {OPENAI_API_KEY}"}
+        ) as r:
             lines = r.iter_lines()
             received = [next(lines) for _ in range(6)]
             assert all(line.startswith("data:") or not line for line in received)
