@@ -6,7 +6,7 @@ install-backend`), so model folders need no model.py. Runs only inside the Trito
 
 import triton_python_backend_utils as pb_utils
 
-from triton_vllm_multistep.stub import instance
+from triton_vllm_multistep.stub import instance, stall_guard
 
 
 class TritonPythonModel:
@@ -15,9 +15,11 @@ class TritonPythonModel:
         return instance.auto_complete(auto_complete_model_config)
 
     def initialize(self, args):
+        self._guard = stall_guard.start_for(args)  # first: a stall while loading is covered too
         try:
             self._server = instance.ModelServer(pb_utils, args)
-        except ValueError as error:
+        except BaseException as error:
+            self._guard.finalizing()  # a failed load ends the stub: an expected exit
             if not isinstance(error, instance.SETTINGS_ERRORS):
                 raise
             # A settings problem, not a bug: its message says what to do. Raised afresh here so
@@ -29,4 +31,5 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        self._guard.finalizing()
         self._server.close()

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from triton_vllm_multistep.demo import models as demo_models
-from triton_vllm_multistep.stub import triton_io
+from triton_vllm_multistep.stub import stall_guard, triton_io
 from triton_vllm_multistep.stub.codec import (
     RequestError,
     check_max_tokens,
@@ -148,12 +148,20 @@ def python_model(pb_utils: Any, handler_class: type[Preprocessor] | type[Postpro
 
     class TritonPythonModel:
         def initialize(self, args: dict[str, str]) -> None:
-            config = json.loads(args["model_config"])
-            self._names = [item["name"] for item in config["input"]]
-            tokenizer_dir = parameter_values(config).get("tokenizer_dir") or DEFAULT_TOKENIZER
-            self._handler = handler_class(load_tokenizer(tokenizer_dir))
+            self._guard = stall_guard.start_for(args)
+            try:
+                config = json.loads(args["model_config"])
+                self._names = [item["name"] for item in config["input"]]
+                tokenizer_dir = parameter_values(config).get("tokenizer_dir") or DEFAULT_TOKENIZER
+                self._handler = handler_class(load_tokenizer(tokenizer_dir))
+            except BaseException:
+                self._guard.finalizing()  # a failed load ends the stub: an expected exit
+                raise
 
         def execute(self, requests: list[Any]) -> list[Any]:
             return run_batch(pb_utils, requests, self._names, self._handler)
+
+        def finalize(self) -> None:
+            self._guard.finalizing()
 
     return TritonPythonModel

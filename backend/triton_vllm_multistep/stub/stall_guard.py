@@ -1,0 +1,73 @@
+"""Starting this stub's guard (stubguard/: a process of its own that keeps tritonserver from giving up
+on the stub while it stalls) and telling it when the stub's exit is expected.
+
+Owns the guard process's start and its one message; must not do anything the guard does. Called
+first thing in every stub's initialize (the LLM model's and the ensemble's tokenizer stages'), so
+that a stall while the model loads is covered too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+from triton_vllm_multistep.engine.process import python_for_children
+from triton_vllm_multistep.stubguard.guard import FINALIZING
+
+logger = logging.getLogger("triton_vllm_multistep")
+ENTRY_MODULE = "triton_vllm_multistep.stubguard"
+# Off only to show what happens without it (tests/stress, docs/lifecycle.md): "0".
+ENABLED_ENV = "TRITON_VLLM_MULTISTEP_STUB_GUARD"
+
+
+class StallGuard:
+    """This stub's guard process; `finalizing()` before the stub exits, so its exit is not a loss."""
+
+    def __init__(self, process: subprocess.Popen[bytes] | None) -> None:
+        self._process = process
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def finalizing(self) -> None:
+        if self._process is None or self._process.stdin is None:
+            return
+        try:
+            self._process.stdin.write(FINALIZING)
+            self._process.stdin.flush()
+        except OSError:  # the guard is gone already
+            pass
+
+
+def start_for(args: dict[str, str]) -> StallGuard:
+    """The guard for the stub that Triton's initialize `args` describe."""
+    policy = json.loads(args["model_config"]).get("model_transaction_policy") or {}
+    return start(decoupled=bool(policy.get("decoupled", False)))
+
+
+def start(decoupled: bool) -> StallGuard:
+    """Start the guard for this process (a Triton stub); a guard that cannot start is logged, not fatal:
+    the stub serves as it would without one."""
+    if os.environ.get(ENABLED_ENV, "1") == "0":
+        logger.warning("stub guard off (%s=0): a stall of this stub over 1 s can abort tritonserver", ENABLED_ENV)
+        return StallGuard(None)
+    python = python_for_children()
+    if python is None:
+        logger.warning("no stub guard: no Python %d.%d found to run it", *sys.version_info[:2])
+        return StallGuard(None)
+    environment = dict(os.environ)
+    environment["PYTHONPATH"] = os.pathsep.join(entry for entry in sys.path if entry)
+    try:
+        process = subprocess.Popen(
+            [python, "-m", ENTRY_MODULE, str(os.getpid()), str(int(decoupled))],
+            stdin=subprocess.PIPE,
+            env=environment,
+        )
+    except OSError as error:
+        logger.warning("no stub guard: %s", error)
+        return StallGuard(None)
+    return StallGuard(process)

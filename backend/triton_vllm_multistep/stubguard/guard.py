@@ -1,0 +1,209 @@
+"""The guard process of one Python stub: reads it every 50 ms and carries out what watch.py decides.
+
+Owns the loop, the stub's liveness, the log lines and stall records, and taking tritonserver down
+when its stub is lost; must not import anything heavy (it starts in ~50 ms beside every stub) nor
+hold any lock tritonserver takes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from triton_vllm_multistep.lifecycle import procfs
+from triton_vllm_multistep.stubguard import ipc, records, watch
+FINALIZING = b"finalizing\n"  # what the stub writes on the guard's stdin before it exits
+
+
+@dataclass(frozen=True)
+class Stub:
+    pid: int
+    started_at: float | None  # tells the stub from a later process with its pid
+    server_pid: int
+    arguments: ipc.StubArguments
+
+    def alive(self) -> bool:
+        return procfs.alive(self.pid) and procfs.started_at(self.pid) == self.started_at
+
+
+def health_thread(pid: int) -> int | None:
+    """The stub's health thread: the first of its threads asleep in nanosleep (pb_stub.cc starts it right
+    after the interpreter, before any model code, and it sleeps 300 ms at a time); None if none is."""
+    try:
+        tids = sorted(int(entry.name) for entry in Path(f"/proc/{pid}/task").iterdir() if entry.name.isdigit())
+    except OSError:
+        return None
+    for tid in tids:
+        if tid == pid:
+            continue
+        try:
+            if "nanosleep" in Path(f"/proc/{pid}/task/{tid}/wchan").read_text():
+                return tid
+        except OSError:
+            continue
+    return None
+
+
+def thread_runs(pid: int, tid: int) -> int | None:
+    """How many times thread `tid` has been run on a CPU (/proc/.../schedstat, third field)."""
+    try:
+        return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[2])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def pressure() -> dict[str, str]:
+    """The host's pressure stall information (the `some` line of each resource), where the kernel has it."""
+    found = {}
+    for resource in ("cpu", "io", "memory"):
+        try:
+            found[resource] = Path(f"/proc/pressure/{resource}").read_text().splitlines()[0]
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+def faults(pid: int) -> dict[str, int]:
+    """The process's minor and major page faults so far (/proc/<pid>/stat fields 10 and 12)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return {"minor": int(fields[7]), "major": int(fields[9]), "state": fields[0]}  # type: ignore[dict-item]
+    except (OSError, IndexError, ValueError):
+        return {}
+
+
+class Guard:
+    def __init__(self, stub: Stub, control: ipc.StubControl, finalize_signal: int | None, log: TextIO) -> None:
+        self.stub = stub
+        self.control = control
+        self._finalize_signal = finalize_signal
+        self._finalized = False
+        self._log = log
+        self._watch = watch.Watch()
+        record_file = os.environ.get(records.RECORDS_ENV)
+        self._records = Path(record_file) if record_file else None
+
+    def run(self) -> None:
+        tid = None
+        for _ in range(20):  # the thread may be awake at the first look
+            tid = health_thread(self.stub.pid)
+            if tid is not None:
+                break
+            time.sleep(0.01)
+        if tid is None:
+            print(
+                f"[triton-vllm-multistep stub guard] stub {self.stub.arguments.instance}: its health thread was not "
+                "found; vouching whenever its flag stays down",
+                file=self._log,
+                flush=True,
+            )
+        while not self._watch.done:
+            self._wait(watch.POLL_SECONDS)
+            reading = watch.Reading(
+                at=time.monotonic(),
+                alive=self.stub.alive(),
+                finalized=self._finalized,
+                health=self.control.stub_health,
+                health_thread_runs=None if tid is None else thread_runs(self.stub.pid, tid),
+                stub_queue=self.control.stub_queue(),
+                parent_queue=self.control.parent_queue(),
+            )
+            for action in self._watch.observe(reading):
+                self._carry_out(action)
+
+    def _wait(self, seconds: float) -> None:
+        """Sleep, waking early when the stub writes FINALIZING (or its end of the pipe closes)."""
+        if self._finalize_signal is None or self._finalized:
+            time.sleep(seconds)
+            return
+        ready, _, _ = select.select([self._finalize_signal], [], [], seconds)
+        if ready:
+            said = os.read(self._finalize_signal, 64)
+            if said.startswith(FINALIZING):
+                self._finalized = True
+            elif not said:  # the stub's end closed without a word: it exited or died
+                self._finalize_signal = None
+
+    def _carry_out(self, action: watch.Action) -> None:
+        instance = self.stub.arguments.instance
+        if isinstance(action, watch.Vouch):
+            self.control.vouch()
+        elif isinstance(action, watch.StallOver):
+            if action.seconds >= watch.REPORTED_STALL_SECONDS:
+                self._say(
+                    f"stub {instance} (pid {self.stub.pid}) did not run for {action.seconds:.1f} s; tritonserver "
+                    f"kept waiting for it (its health flag set {action.vouches} times for it), nothing lost",
+                    kind="contained",
+                    seconds=round(action.seconds, 3),
+                )
+        elif isinstance(action, watch.GuardGap):
+            self._say(
+                f"the guard of stub {instance} did not run for {action.seconds:.1f} s: if tritonserver waited for "
+                f"the stub meanwhile, it may have given up on it",
+                kind="guard_gap",
+                seconds=round(action.seconds, 3),
+            )
+        elif isinstance(action, watch.StubGone):
+            if not action.expected:
+                self._say(f"stub {instance} (pid {self.stub.pid}) exited without finalizing", kind="died")
+        elif isinstance(action, watch.StubLost):
+            self._say(
+                f"stub {instance} (pid {self.stub.pid}) is lost: {action.reason}. Its shared memory with "
+                f"tritonserver is no longer consistent (docs/lifecycle.md); stopping tritonserver (pid "
+                f"{self.stub.server_pid}) before it serves a wrong answer or aborts",
+                kind=records.LOST,
+            )
+            stop_server(self.stub.server_pid)
+
+    def _say(self, message: str, *, kind: str, **fields: object) -> None:
+        details = {"pressure": pressure(), "stub": faults(self.stub.pid)}
+        print(f"[triton-vllm-multistep stub guard] {message} {json.dumps(details)}", file=self._log, flush=True)
+        if self._records is None:
+            return
+        record = {
+            "time": time.time(),
+            "kind": kind,
+            "instance": self.stub.arguments.instance,
+            "pid": self.stub.pid,
+            "message": message,
+            **fields,
+            **details,
+        }
+        try:
+            records.append(self._records, record)
+        except OSError as error:
+            print(f"[triton-vllm-multistep stub guard] cannot record to {self._records}: {error}", file=self._log)
+
+
+def stop_server(server_pid: int) -> None:
+    """At once: SIGKILL, but SIGABRT for a PID 1 (a container's init ignores SIGKILL from inside)."""
+    try:
+        os.kill(server_pid, signal.SIGABRT if server_pid == 1 else signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def main(argv: list[str]) -> int:
+    """`python -m triton_vllm_multistep.stubguard STUB_PID DECOUPLED(0|1)`; the stub's pipe on stdin."""
+    stub_pid, decoupled = int(argv[0]), argv[1] == "1"
+    try:
+        arguments = ipc.stub_arguments(procfs.cmdline(stub_pid))
+        control = ipc.StubControl.open(arguments, decoupled)
+    except (ipc.LayoutError, OSError) as error:
+        print(
+            f"[triton-vllm-multistep stub guard] not guarding stub {stub_pid}: {error}. A stall of it over 1 s "
+            "can abort tritonserver (docs/lifecycle.md)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 0
+    stub = Stub(stub_pid, procfs.started_at(stub_pid), procfs.parent(stub_pid) or 0, arguments)
+    Guard(stub, control, sys.stdin.fileno(), sys.stderr).run()
+    return 0

@@ -1,0 +1,153 @@
+"""What the guard decides from what it reads of its stub: vouch, record a stall, or call the stub lost.
+
+Owns the rules and their timings; must not read or write anything itself (stubguard/guard.py does),
+so the rules are tested with made-up readings.
+
+Why these rules (docs/lifecycle.md, "A stalled stub"): tritonserver's Python backend gives up on a
+stub whose answer has not come within 1 s while its health flag stayed false, and what it then
+frees the stub reads later, which aborts tritonserver. The guard sets the flag for a stub that is
+alive but not running (stopped, frozen alone, starved), so Triton waits for the answer instead.
+It cannot do that when it was not running itself (the stub and the guard frozen together); then
+Triton may have given up, and the two ways that shows afterwards (the stub dies, or its answer
+lies in Triton's queue with nobody waiting for it) make the stub lost: the server must not serve on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from triton_vllm_multistep.stubguard.ipc import QueueState
+
+POLL_SECONDS = 0.05
+# The stub's health thread sets the flag every 300 ms; Triton checks it 1 s after clearing it.
+VOUCH_AFTER_SECONDS = 0.4
+# A stall this long is one Triton would have given up on: worth a line in the log.
+REPORTED_STALL_SECONDS = 1.0
+# The guard itself did not run for this long: it may have missed Triton's 1-s check.
+GUARD_GAP_SECONDS = 0.9
+# After such a gap, a stub death within this long counts as caused by it.
+AFTER_GAP_SECONDS = 5.0
+# An answer in Triton's queue this long with nothing asked of the stub: nobody waits for it.
+STALE_ANSWER_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class Reading:
+    at: float  # monotonic seconds
+    alive: bool  # the stub process runs (not gone, not a zombie)
+    finalized: bool  # the stub said it is finalizing: its exit is expected
+    health: bool  # the stub's health flag
+    # How many times the stub's health thread has been run (None: that thread is not known): it runs
+    # every 300 ms, so a count that stands still means the stub is not running.
+    health_thread_runs: int | None
+    stub_queue: QueueState  # tritonserver → stub
+    parent_queue: QueueState  # stub → tritonserver
+
+
+@dataclass(frozen=True)
+class Vouch:
+    pass
+
+
+@dataclass(frozen=True)
+class StallOver:
+    seconds: float
+    vouches: int
+
+
+@dataclass(frozen=True)
+class GuardGap:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class StubGone:
+    expected: bool
+
+
+@dataclass(frozen=True)
+class StubLost:
+    reason: str
+
+
+Action = Vouch | StallOver | GuardGap | StubGone | StubLost
+
+
+class Watch:
+    """The guard's state between readings; `observe` returns what to do about the latest one."""
+
+    def __init__(self) -> None:
+        self._last_at: float | None = None
+        self._runs: int | None = None
+        self._quiet_since: float | None = None  # the health thread has not run (or the flag is down) since
+        self._stall_started: float | None = None
+        self._vouches = 0
+        self._gap_at: float | None = None
+        self._stale_since: float | None = None
+        self._stale_queue: tuple[QueueState, QueueState] | None = None
+        self.done = False
+
+    def observe(self, reading: Reading) -> list[Action]:
+        if self.done:
+            return []
+        actions: list[Action] = []
+        now = reading.at
+        if self._last_at is not None and now - self._last_at >= GUARD_GAP_SECONDS:
+            self._gap_at = now
+            actions.append(GuardGap(now - self._last_at))
+        self._last_at = now
+        if not reading.alive:
+            self.done = True
+            actions.extend(self._stall_over(now))
+            actions.append(StubGone(expected=reading.finalized))
+            if not reading.finalized and self._gap_at is not None and now - self._gap_at <= AFTER_GAP_SECONDS:
+                actions.append(StubLost("it died right after it and its guard were stalled together"))
+            return actions
+        actions.extend(self._vouch_if_needed(reading))
+        if not reading.finalized and self._stale_answer(reading):
+            self.done = True
+            actions.append(
+                StubLost("its answer lies in tritonserver's queue with nothing asked: tritonserver gave up on it")
+            )
+        return actions
+
+    def _vouch_if_needed(self, reading: Reading) -> list[Action]:
+        now = reading.at
+        if reading.health_thread_runs is not None:
+            if reading.health_thread_runs != self._runs or self._quiet_since is None:
+                ran = self._runs is not None and reading.health_thread_runs != self._runs
+                self._runs, self._quiet_since = reading.health_thread_runs, now
+                if ran:
+                    return self._stall_over(now)
+        elif reading.health or self._quiet_since is None:  # without the thread: the flag up is a sign of life
+            self._quiet_since = now
+            if reading.health:
+                return self._stall_over(now)
+        if reading.health or now - self._quiet_since < VOUCH_AFTER_SECONDS:
+            return []
+        if self._stall_started is None:
+            self._stall_started = self._quiet_since
+        self._vouches += 1
+        if reading.health_thread_runs is None:
+            self._quiet_since = now  # the flag is up now: quiet again from here
+        return [Vouch()]
+
+    def _stall_over(self, now: float) -> list[Action]:
+        if self._stall_started is None:
+            return []
+        seconds, vouches = now - self._stall_started, self._vouches
+        self._stall_started, self._vouches = None, 0
+        return [StallOver(seconds, vouches)]
+
+    def _stale_answer(self, reading: Reading) -> bool:
+        """An answer waits in the parent queue, nothing waits in the stub's, for STALE_ANSWER_SECONDS
+        with neither queue moving. Triton pops an answer the moment it comes (it is waiting for it)."""
+        queues = (reading.stub_queue, reading.parent_queue)
+        if reading.parent_queue.depth == 0 or reading.stub_queue.depth != 0:
+            self._stale_since = self._stale_queue = None
+            return False
+        if queues != self._stale_queue:
+            self._stale_since, self._stale_queue = reading.at, queues
+            return False
+        assert self._stale_since is not None
+        return reading.at - self._stale_since >= STALE_ANSWER_SECONDS
