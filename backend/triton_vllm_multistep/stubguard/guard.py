@@ -19,6 +19,7 @@ from typing import TextIO
 
 from triton_vllm_multistep.lifecycle import procfs
 from triton_vllm_multistep.stubguard import ipc, records, watch
+
 FINALIZING = b"finalizing\n"  # what the stub writes on the guard's stdin before it exits
 
 
