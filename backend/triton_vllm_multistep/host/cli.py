@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         "serve",
         help="run tritonserver with this backend; every other argument goes to tritonserver, except "
         "--openai-port PORT (an OpenAI-compatible API beside it) and --openai-host, --openai-api-key, "
-        "--openai-args 'vLLM serve options' (docs/openai.md)",
+        "--openai-args 'vLLM serve options' (docs/openai.md), and --restart-on-crash (start tritonserver again "
+        "when it dies without being asked to stop, counted in vllm_multistep:server_restarts_total; "
+        "docs/lifecycle.md)",
     )
     serve.set_defaults(handler=_serve)
     drain = commands.add_parser(

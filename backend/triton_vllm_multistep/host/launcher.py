@@ -25,6 +25,7 @@ from triton_vllm_multistep.lifecycle import procfs, triton_command
 from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV, EXIT_GRACE_SECONDS
 from triton_vllm_multistep.lifecycle.server_drain import DrainResult, drain_server
 from triton_vllm_multistep.stub.device import gpu_count
+from triton_vllm_multistep.stubguard import records
 
 BACKEND_NAME = "vllm_multistep"
 SYSTEM_TRITON = Path("/opt/tritonserver")
@@ -241,9 +242,16 @@ def build_command(install: TritonInstall, backend_dir: Path, server_args: Sequen
     return [str(install.server), *args]
 
 
+RESTART_OPTION = "--restart-on-crash"
+
+
 def serve(server_args: Sequence[str], backend_dir: Path | None = None) -> int:
     """Run tritonserver in the foreground (and the OpenAI server beside it with --openai-port); on
-    SIGINT/SIGTERM drain its LLM models, then stop it; return its code."""
+    SIGINT/SIGTERM drain its LLM models, then stop it; return its code. A server that exits without
+    being asked to (a crash, or a stub guard taking it down) is named with its cause from the stub
+    guards' records, and with --restart-on-crash started again."""
+    restart_on_crash = RESTART_OPTION in server_args
+    server_args = [arg for arg in server_args if arg != RESTART_OPTION]
     try:
         openai_options, server_args = openai_process.split_options(server_args)
     except openai_process.OpenAIOptionError as error:
@@ -260,34 +268,87 @@ def serve(server_args: Sequence[str], backend_dir: Path | None = None) -> int:
         )
     except openai_process.OpenAIOptionError as error:
         raise LaunchError(str(error)) from None
-    # A drain file of the server's own unless the user named one (e.g. for `triton-vllm-multistep drain`).
-    own_drain_dir = None if env.get(DRAIN_FILE_ENV) else Path(tempfile.mkdtemp(prefix="triton-vllm-multistep-"))
-    if own_drain_dir is not None:
-        env[DRAIN_FILE_ENV] = str(own_drain_dir / "drain")
+    # A drain file of the server's own unless the user named one (e.g. for `triton-vllm-multistep drain`),
+    # and the stub guards' record file beside it.
+    own_dir = Path(tempfile.mkdtemp(prefix="triton-vllm-multistep-"))
+    env.setdefault(DRAIN_FILE_ENV, str(own_dir / "drain"))
+    env.setdefault(records.RECORDS_ENV, str(own_dir / "stalls.jsonl"))
+    record_file = Path(env[records.RECORDS_ENV])
+    session = _Session()
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, session.on_signal)
+    restarts = 0
     try:
-        # Own process group: a signal to the launcher reaches Triton once, via us, and Triton
-        # shuts its stubs (and their vLLM workers) down itself.
-        process = subprocess.Popen(command, env=env, start_new_session=True)
-    except BaseException:
-        if own_drain_dir is not None:
-            shutil.rmtree(own_drain_dir, ignore_errors=True)
-        raise
+        while True:
+            env[records.SERVER_RESTARTS_ENV] = str(restarts)
+            seen = len(records.read(record_file))
+            code = _run_server(session, command, env, openai_command, exit_timeout)
+            if session.stops or code == 0:
+                return code
+            cause = records.crash_cause(records.read(record_file)[seen:])
+            if code > 0 and cause is None:
+                return code  # it stopped itself (e.g. a model failed to load): its log says why
+            print(
+                f"[triton-vllm-multistep] tritonserver {_describe_exit(code)} without being asked to stop"
+                + (f": {cause}" if cause else " (no stub guard recorded a cause; see its log above)"),
+                file=sys.stderr,
+                flush=True,
+            )
+            if not restart_on_crash:
+                return code if code > 0 else 128 - code
+            if session.stops:
+                return 1
+            restarts += 1
+            print(
+                f"[triton-vllm-multistep] {RESTART_OPTION}: starting it again (restart {restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(own_dir, ignore_errors=True)
+
+
+class _Session:
+    """The server being run and the stop requests received (SIGINT/SIGTERM: the first drains, a second
+    stops at once), shared with the signal handler across restarts."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen[bytes] | None = None
+        self.stops: list[int] = []
+
+    def on_signal(self, signum: int, _frame: object) -> None:
+        process = self.process
+        if signum in (signal.SIGINT, signal.SIGTERM):
+            self.stops.append(signum)
+            if len(self.stops) == 1:
+                return  # the main loop drains first
+        if process is not None and process.poll() is None:
+            process.send_signal(signum)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _run_server(
+    session: _Session, command: list[str], env: dict[str, str], openai_command: list[str] | None, exit_timeout: float
+) -> int:
+    """One tritonserver (and its OpenAI server) from start to exit; its exit code."""
+    # Own process group: a signal to the launcher reaches Triton once, via us, and Triton
+    # shuts its stubs (and their vLLM workers) down itself.
+    process = subprocess.Popen(command, env=env, start_new_session=True)
+    session.process = process
+    stops = session.stops
+    if stops:  # asked to stop while the previous server was restarting
+        process.send_signal(stops[0])
     # The OpenAI server waits for READY itself; it goes first when the server is asked to stop.
     frontend = openai_process.start(openai_command, env) if openai_command else None
     frontend_failed = False
-    stops: list[int] = []  # SIGINT/SIGTERM received; the first drains, a second stops at once
-
-    def on_signal(signum: int, _frame: object) -> None:
-        if process.poll() is not None:
-            return
-        if signum in (signal.SIGINT, signal.SIGTERM):
-            stops.append(signum)
-            if len(stops) == 1:
-                return  # the main loop drains first
-        process.send_signal(signum)
-
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(signum, on_signal)
     kill_at: float | None = None
     try:
         while True:
@@ -324,8 +385,6 @@ def serve(server_args: Sequence[str], backend_dir: Path | None = None) -> int:
         _reap_group(process.pid)
         if frontend is not None:
             openai_process.kill(frontend)
-        if own_drain_dir is not None:
-            shutil.rmtree(own_drain_dir, ignore_errors=True)
 
 
 def _drain_then_stop(process: subprocess.Popen, drain_file: Path, exit_timeout: float, stops: list[int]) -> None:

@@ -253,6 +253,9 @@ class ModelServer:
                     max_loras=facts.max_loras,
                 )
             self.heartbeat = self._start_heartbeat(args)
+            from triton_vllm_multistep.stub.restarts import RestartCount
+
+            self.restart_count = self._instance_series(RestartCount, args)
             self.responder = Responder(
                 pb_utils,
                 abort=lambda rid: self.loop.abort(rid),
@@ -313,11 +316,16 @@ class ModelServer:
         """The instance's heartbeat gauge (stub/heartbeat.py), or None where Triton has no metrics."""
         from triton_vllm_multistep.stub.heartbeat import Heartbeat
 
+        return self._instance_series(Heartbeat, args)
+
+    def _instance_series(self, kind: type, args: dict[str, str]) -> Any:
+        """A metric series of this instance's own (labels model, version, instance), or None where
+        Triton has no metrics."""
         instance = args.get("model_instance_name") or f"{self.model_name}_0"
         try:
-            return Heartbeat(self._pb, self.model_name, str(args.get("model_version", "1")), instance, self.caller)
+            return kind(self._pb, self.model_name, str(args.get("model_version", "1")), instance, self.caller)
         except Exception as error:  # tritonserver --allow-metrics=false: no custom metrics at all
-            logger.warning("vllm_multistep: model %s: no heartbeat gauge (%s)", self.model_name, error)
+            logger.warning("vllm_multistep: model %s: no %s series (%s)", self.model_name, kind.__name__, error)
             return None
 
     def _placement_text(self) -> str:
@@ -467,11 +475,13 @@ class ModelServer:
         # loop: a worker still in it never reads the executor's shutdown request.
         self.loop.stop()
         self.responder.stop(protocol.UNLOADING_MESSAGE)  # hands the calls into Triton back to this thread
-        if self.heartbeat is not None:  # its instance label is this stub's own: never shared
+        for series in (self.heartbeat, self.restart_count):  # their instance label is this stub's own: never shared
+            if series is None:
+                continue
             try:
-                self.heartbeat.close()
+                series.close()
             except Exception:
-                logger.exception("closing the heartbeat failed")
+                logger.exception("closing %s failed", type(series).__name__)
         if self.metrics is not None:
             try:
                 self.metrics.close(shared=self._series_shared())

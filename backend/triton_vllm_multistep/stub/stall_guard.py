@@ -15,6 +15,8 @@ import subprocess
 import sys
 
 from triton_vllm_multistep.engine.process import python_for_children
+from triton_vllm_multistep.lifecycle import procfs
+from triton_vllm_multistep.stubguard import ipc
 from triton_vllm_multistep.stubguard.guard import FINALIZING
 
 logger = logging.getLogger("triton_vllm_multistep")
@@ -52,6 +54,10 @@ def start_for(args: dict[str, str]) -> StallGuard:
 def start(decoupled: bool) -> StallGuard:
     """Start the guard for this process (a Triton stub); a guard that cannot start is logged, not fatal:
     the stub serves as it would without one."""
+    try:
+        ipc.stub_arguments(procfs.cmdline(os.getpid()))
+    except ipc.LayoutError:  # not in a Triton stub (a test of the model's code): nothing to guard
+        return StallGuard(None)
     if os.environ.get(ENABLED_ENV, "1") == "0":
         logger.warning("stub guard off (%s=0): a stall of this stub over 1 s can abort tritonserver", ENABLED_ENV)
         return StallGuard(None)
