@@ -7,7 +7,10 @@ FINAL or a clean stream error, nothing hangs, and no stub or vLLM worker process
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -15,8 +18,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
+import requests
 import tritonclient.grpc as grpcclient
 from private_servers import (
     copy_pipeline_stages,
@@ -98,6 +103,7 @@ def lifecycle_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths:
         root,
         {MODEL: {}, STAYING: {"parameters": {"unload_on_engine_failure": "false", "engine_process": "false"}}},
     )
+    copy_pipeline_stages(repository)  # the ensemble around MODEL, loaded by the stall tests only
     fault_file = root / "engine-fault"
     handle = start_server(
         repository,
@@ -105,6 +111,7 @@ def lifecycle_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths:
         "--model-control-mode=explicit",
         f"--load-model={MODEL}",
         f"--load-model={STAYING}",
+        "--restart-on-crash",  # the last test takes it down on purpose
         env=server_environment(fault_file),
     )
     handle.fault_file = fault_file  # type: ignore[attr-defined]
@@ -113,6 +120,137 @@ def lifecycle_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths:
         yield handle
     finally:
         handle.stop()
+
+
+# A stalled stub (docs/lifecycle.md, "A stalled stub"): Triton 2.51 gives up on a stub that has not
+# answered within 1 s while its health thread did not run, and the stub's late read of what Triton
+# freed then aborts tritonserver. Each stub's guard keeps Triton waiting instead: a stall costs time only.
+STALLED_STREAM = {"temperature": 0, "max_tokens": 300, "ignore_eos": True}
+STALL_SECONDS = [1.5, 5.0]
+
+
+def guard_of(server: ServerProcess, stub_pid: int) -> psutil.Process:
+    (guard,) = [p for p in server.process_groups()["guard"] if p.cmdline()[3:4] == [str(stub_pid)]]
+    return guard
+
+
+def stub_of(server: ServerProcess, model: str) -> psutil.Process:
+    (stub,) = server.running_with(f"/{model}/1/model.py")
+    return stub
+
+
+@contextlib.contextmanager
+def stopped(processes: list[psutil.Process], seconds: float) -> Iterator[None]:
+    """SIGSTOP the processes, run the body, SIGCONT them `seconds` after the stop (the body may take longer)."""
+    for process in processes:
+        process.suspend()
+    resume = threading.Timer(seconds, lambda: [p.resume() for p in processes])
+    resume.start()
+    try:
+        yield
+    finally:
+        resume.join()
+
+
+def reference_outputs(server: ServerProcess, model: str, count: int) -> dict[int, tuple[str, list[int]]]:
+    """What each of Streams' prompts gets without a stall (greedy: the same every time)."""
+    found = {}
+    for index in range(count):
+        result = grpc_generate(
+            server.grpc_url, model, prompt=f"stream number {index}", sampling=STALLED_STREAM, stream=True
+        )
+        assert result.finals == 1 and result.error is None, result.error
+        found[index] = (result.text(), result.token_ids() if model != "ensemble" else [])
+    return found
+
+
+def assert_complete(results: dict, reference: dict, model: str) -> None:
+    """Every request ended once, without an error, with exactly what it gets without a stall."""
+    for index, result in results.items():
+        assert isinstance(result, StreamResult), result
+        assert result.finals == 1 and result.error is None, (result.finals, result.error)
+        text, ids = reference[index]
+        assert result.text() == text
+        if model != "ensemble":
+            assert result.token_ids() == ids
+
+
+def assert_stall_contained(server: ServerProcess, stub: psutil.Process, seconds: float, log_from: int) -> None:
+    """The server is live and ready, and the stub's guard measured the stall and kept Triton waiting."""
+    assert server.process.poll() is None
+    assert requests.get(f"{server.http_url}/v2/health/live", timeout=10).status_code == 200
+    assert requests.get(f"{server.http_url}/v2/health/ready", timeout=10).status_code == 200
+    log = server.log_path.read_text(errors="replace")[log_from:]
+    found = re.findall(rf"stub \S+ \(pid {stub.pid}\) did not run for ([0-9.]+) s; tritonserver kept waiting", log)
+    assert found, log[-3000:]
+    assert seconds - 0.2 <= float(found[-1]) <= seconds + 2.0, found
+    assert "is not healthy" not in log and "lock_exception" not in log
+
+
+class TestStalledStubs:
+    """Each kind of stub stopped for 1.5 s and 5 s while streams run through it and new requests arrive."""
+
+    @pytest.fixture(scope="class")
+    def pipeline(self, lifecycle_server: ServerProcess) -> Iterator[ServerProcess]:
+        client = grpcclient.InferenceServerClient(lifecycle_server.grpc_url)
+        client.load_model("ensemble")  # and its stages
+        try:
+            yield lifecycle_server
+        finally:
+            for model in ("ensemble", "preprocessing", "postprocessing"):
+                client.unload_model(model)
+            assert wait_for(lambda: len(stub_processes(lifecycle_server)) == 2, timeout=60)
+            client.close()
+
+    @pytest.mark.parametrize("seconds", STALL_SECONDS)
+    @pytest.mark.parametrize("stage", ["preprocessing", "postprocessing"])
+    def test_a_stalled_ensemble_stage_delays_its_requests_and_loses_nothing(
+        self, pipeline: ServerProcess, stage: str, seconds: float
+    ) -> None:
+        server = pipeline
+        through, direct = reference_outputs(server, "ensemble", 3), reference_outputs(server, MODEL, 2)
+        stub = stub_of(server, stage)
+        log_from = len(server.log_path.read_text(errors="replace"))
+        running = Streams(server, 3, STALLED_STREAM, model="ensemble")
+        running.wait_streaming()
+        with stopped([stub], seconds):
+            arriving = Streams(server, 3, STALLED_STREAM, model="ensemble")  # they wait on the stalled stage
+            beside = Streams(server, 2, STALLED_STREAM)  # the LLM model alone: nothing waits on the stage
+        assert_complete(running.join(timeout=120), through, "ensemble")
+        assert_complete(arriving.join(timeout=120), through, "ensemble")
+        assert_complete(beside.join(timeout=120), direct, MODEL)
+        assert_stall_contained(server, stub, seconds, log_from)
+        assert_complete(
+            {
+                0: grpc_generate(
+                    server.grpc_url, "ensemble", prompt="stream number 0", sampling=STALLED_STREAM, stream=True
+                )
+            },
+            through,
+            "ensemble",
+        )
+
+    @pytest.mark.parametrize("seconds", STALL_SECONDS)
+    @pytest.mark.parametrize("model", [MODEL, STAYING], ids=["engine_process", "engine_in_stub"])
+    def test_a_stalled_llm_stub_delays_its_streams_and_loses_nothing(
+        self, pipeline: ServerProcess, model: str, seconds: float
+    ) -> None:
+        server = pipeline
+        reference = reference_outputs(server, model, 3)
+        stub = stub_of(server, model)
+        log_from = len(server.log_path.read_text(errors="replace"))
+        running = Streams(server, 3, STALLED_STREAM, model=model)
+        running.wait_streaming()
+        with stopped([stub], seconds):
+            arriving = Streams(server, 3, STALLED_STREAM, model=model)
+        assert_complete(running.join(timeout=120), reference, model)
+        assert_complete(arriving.join(timeout=120), reference, model)
+        assert_stall_contained(server, stub, seconds, log_from)
+        assert_complete(
+            {0: grpc_generate(server.grpc_url, model, prompt="stream number 0", sampling=STALLED_STREAM, stream=True)},
+            reference,
+            model,
+        )
 
 
 def test_engine_failure_fails_streams_in_flight_refuses_new_and_unloads_the_model(lifecycle_server) -> None:
@@ -200,6 +338,72 @@ def test_unload_and_reload_with_streams_in_flight(lifecycle_server) -> None:
     assert len(stub_processes(server)) == 1
     after = grpc_generate(server.grpc_url, MODEL, prompt="reloaded", sampling=SHORT, stream=True)
     assert after.finals == 1 and after.error is None and len(after.token_ids()) == 4
+
+
+def test_a_stub_lost_to_a_stall_of_it_and_its_guard_brings_the_server_back_restarted_and_counted(
+    lifecycle_server,
+) -> None:
+    """The case the guard cannot contain: the stub and its guard stopped together (a frozen cgroup) while a
+    request waits. Triton gives up on the stub, which then reads what Triton freed; its guard calls it
+    lost and takes tritonserver down at once, and `serve --restart-on-crash` (this server's) starts it
+    again, the restart counted in vllm_multistep:server_restarts_total. Last: it ends this server's models."""
+    server = lifecycle_server
+    stub = stub_of(server, MODEL)
+    guard = guard_of(server, stub.pid)
+    (tritonserver,) = server.process_groups()["tritonserver"]
+    with stopped([stub, guard], 2.0):
+        waiting = Streams(server, 1, SHORT)
+    results = waiting.join(timeout=60)
+    assert isinstance(results[0], StreamResult) and results[0].error is not None
+    assert "is not healthy" in results[0].error  # Triton gave up on it: what the guard could not prevent
+    assert wait_for(lambda: not tritonserver.is_running() or tritonserver.status() == psutil.STATUS_ZOMBIE, 10)
+    server.wait_ready(timeout=600)
+    log = server.log_path.read_text(errors="replace")
+    assert f"stub {MODEL}_0_0 (pid {stub.pid}) is lost" in log, server.log_tail()
+    assert "tritonserver was killed by SIGKILL without being asked to stop" in log
+    assert "--restart-on-crash: starting it again (restart 1)" in log
+    assert metric(scrape(server), "vllm_multistep:server_restarts_total", MODEL) == 1
+    after = grpc_generate(server.grpc_url, MODEL, prompt="restarted", sampling=SHORT, stream=True)
+    assert after.finals == 1 and after.error is None and len(after.token_ids()) == 4
+
+
+def test_without_restart_the_launcher_exits_at_once_naming_the_lost_stub(
+    tmp_path: Path, demo_model_paths: dict
+) -> None:
+    """The same uncontained stall on a server without --restart-on-crash (only the preprocessing stage: a
+    plain Python backend model): the launcher exits non-zero within 5 s of the stall's end, naming the stub."""
+    repository = tmp_path / "repository"
+    repository.mkdir()
+    copy_pipeline_stages(repository)
+    for stage in ("ensemble", "postprocessing"):
+        shutil.rmtree(repository / stage)
+    server = start_server(repository, tmp_path / "tritonserver.log")
+    try:
+        server.wait_ready(timeout=300)
+        stub = stub_of(server, "preprocessing")
+        with stopped([stub, guard_of(server, stub.pid)], 2.0):
+            client = grpcclient.InferenceServerClient(server.grpc_url)
+            waiting = threading.Thread(target=_preprocess, args=(client,), daemon=True)
+            waiting.start()
+        resumed = time.monotonic()
+        code = server.process.wait(timeout=30)
+        took = time.monotonic() - resumed
+        client.close()
+    finally:
+        server.stop()
+    log = server.log_path.read_text(errors="replace")
+    assert code != 0 and took < 5.0, (code, took, server.log_tail())
+    assert f"stub preprocessing_0_0 (pid {stub.pid}) is lost" in log, server.log_tail()
+    assert "tritonserver was killed by SIGKILL without being asked to stop: stub preprocessing_0_0" in log
+
+
+def _preprocess(client: grpcclient.InferenceServerClient) -> None:
+    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"hello"]], dtype=np.object_))
+    try:
+        client.infer("preprocessing", [text], client_timeout=30)
+    except Exception:  # Triton gives up on the stub: this request's error is expected
+        pass
 
 
 EXIT_TIMEOUT = 8

@@ -16,11 +16,11 @@ import sys
 
 from triton_vllm_multistep.engine.process import python_for_children
 from triton_vllm_multistep.lifecycle import procfs
+from triton_vllm_multistep.stub import stall_detector
 from triton_vllm_multistep.stubguard import ipc
-from triton_vllm_multistep.stubguard.guard import FINALIZING
+from triton_vllm_multistep.stubguard.guard import ENTRY_MODULE, FINALIZING
 
 logger = logging.getLogger("triton_vllm_multistep")
-ENTRY_MODULE = "triton_vllm_multistep.stubguard"
 # Off only to show what happens without it (tests/stress, docs/lifecycle.md): "0".
 ENABLED_ENV = "TRITON_VLLM_MULTISTEP_STUB_GUARD"
 
@@ -46,8 +46,11 @@ class StallGuard:
 
 
 def start_for(args: dict[str, str]) -> StallGuard:
-    """The guard for the stub that Triton's initialize `args` describe."""
-    policy = json.loads(args["model_config"]).get("model_transaction_policy") or {}
+    """The guard for the stub that Triton's initialize `args` describe (and the diagnostic stall detector,
+    stub/stall_detector.py, when the environment asks for it)."""
+    config = json.loads(args["model_config"])
+    stall_detector.start_from_environment(args.get("model_instance_name") or config.get("name", "?"))
+    policy = config.get("model_transaction_policy") or {}
     return start(decoupled=bool(policy.get("decoupled", False)))
 
 

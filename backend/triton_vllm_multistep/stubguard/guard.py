@@ -20,6 +20,7 @@ from typing import TextIO
 from triton_vllm_multistep.lifecycle import procfs
 from triton_vllm_multistep.stubguard import ipc, records, watch
 
+ENTRY_MODULE = "triton_vllm_multistep.stubguard"  # python -m ENTRY_MODULE STUB_PID DECOUPLED
 FINALIZING = b"finalizing\n"  # what the stub writes on the guard's stdin before it exits
 
 

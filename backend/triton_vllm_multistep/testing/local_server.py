@@ -25,6 +25,7 @@ from typing import Any
 
 from triton_vllm_multistep.host import openai_process
 from triton_vllm_multistep.lifecycle import procfs, triton_command
+from triton_vllm_multistep.stubguard.guard import ENTRY_MODULE as stubguard_entry
 
 
 def copy_model(
@@ -174,16 +175,18 @@ class ServerProcess:
         )
 
     def process_groups(self) -> dict[str, list[Any]]:
-        """Live tritonserver, Python backend stub (where the engines run) and engine processes (models
-        with `engine_process: true`, or any other process below the server, e.g. the engine process
-        of Triton's vLLM backend), as psutil processes."""
-        groups: dict[str, list[int]] = {"tritonserver": [], "stub": [], "engine": []}
+        """Live tritonserver, Python backend stub (where the engines run), stub guard and engine processes
+        (models with `engine_process: true`, or any other process below the server, e.g. the engine
+        process of Triton's vLLM backend), as psutil processes."""
+        groups: dict[str, list[int]] = {"tritonserver": [], "stub": [], "engine": [], "guard": []}
         for pid in procfs.descendants(self.process.pid):
             argv = procfs.cmdline(pid)
             if not procfs.alive(pid):
                 continue
             if triton_command.is_python_backend_stub(argv):
                 groups["stub"].append(pid)
+            elif stubguard_entry in argv:
+                groups["guard"].append(pid)  # each stub's stall guard (stubguard/)
             elif triton_command.is_tritonserver(argv) or openai_process.FRONTEND_MODULE in argv:
                 groups["tritonserver"].append(pid)  # the front ends: KServe and the OpenAI API
             else:

@@ -1,0 +1,96 @@
+"""A diagnostic thread in a stub that records every gap of over 250 ms in its own 50-ms wake-ups, with
+what the kernel says about the process and the host at that moment (docs/lifecycle.md, "What stalls
+a stub"). On only when TRITON_VLLM_MULTISTEP_STALL_DETECTOR names a file (JSON lines).
+
+Owns that thread and its records; must not act on a stall (the stub guard does, stubguard/). A gap
+here means this thread did not run: the whole process did not (the guard sees that too), or the GIL
+was held that long by another thread (the guard does not: Triton's health thread needs no GIL).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+DETECTOR_ENV = "TRITON_VLLM_MULTISTEP_STALL_DETECTOR"
+WAKE_SECONDS = 0.05
+GAP_SECONDS = 0.25
+# /proc/self/sched fields worth keeping (scheduler's view of this thread group's main thread).
+SCHED_FIELDS = (
+    "se.sum_exec_runtime",
+    "se.nr_migrations",
+    "nr_switches",
+    "nr_voluntary_switches",
+    "nr_involuntary_switches",
+    "se.statistics.wait_max",
+    "se.statistics.wait_sum",
+)
+
+
+def _sched() -> dict[str, float]:
+    found = {}
+    try:
+        for line in Path("/proc/self/sched").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() in SCHED_FIELDS:
+                found[name.strip()] = float(value)
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def _pressure() -> dict[str, str]:
+    found = {}
+    for resource in ("cpu", "io", "memory"):
+        try:
+            found[resource] = Path(f"/proc/pressure/{resource}").read_text().strip().replace("\n", " | ")
+        except OSError:
+            continue
+    return found
+
+
+def _faults() -> dict[str, int]:
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        return {"minor": int(fields[7]), "major": int(fields[9]), "threads": int(fields[17])}
+    except (OSError, IndexError, ValueError):
+        return {}
+
+
+def _run(path: Path, instance: str) -> None:
+    last = time.monotonic()
+    while True:
+        time.sleep(WAKE_SECONDS)
+        now = time.monotonic()
+        gap = now - last
+        last = now
+        if gap <= GAP_SECONDS:
+            continue
+        record = {
+            "time": time.time(),
+            "instance": instance,
+            "pid": os.getpid(),
+            "gap_seconds": round(gap, 3),
+            "wall_minus_monotonic": round(time.time() - now, 3),  # a wall-clock step shows here
+            "sched": _sched(),
+            "pressure": _pressure(),
+            "faults": _faults(),
+        }
+        try:
+            with path.open("a") as out:
+                out.write(json.dumps(record) + "\n")
+        except OSError:
+            return
+
+
+def start_from_environment(instance: str) -> threading.Thread | None:
+    """Start the detector when DETECTOR_ENV names a file; None otherwise."""
+    path = os.environ.get(DETECTOR_ENV)
+    if not path:
+        return None
+    thread = threading.Thread(target=_run, args=(Path(path), instance), name="stall-detector", daemon=True)
+    thread.start()
+    return thread
