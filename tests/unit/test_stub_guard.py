@@ -93,8 +93,9 @@ def reading(
     finalized: bool = False,
     stub_queue: QueueState = IDLE,
     parent_queue: QueueState = IDLE,
+    wall: float = 1.8e9,
 ) -> watch.Reading:
-    return watch.Reading(at, alive, finalized, health, runs, stub_queue, parent_queue)
+    return watch.Reading(at, wall, alive, finalized, health, runs, stub_queue, parent_queue)
 
 
 def observe_all(readings: list[watch.Reading]) -> list[watch.Action]:
@@ -173,3 +174,15 @@ def test_the_cause_of_a_crash_is_the_lost_stub_else_the_recent_stalls(tmp_path: 
         out.write('{"time": 99')  # cut short by a crash
     assert records.crash_cause(records.read(path), now) == "d_0_0 is lost"
     assert records.crash_cause([], now) is None
+
+
+def test_a_stub_that_dies_after_the_wall_clock_stepped_forward_is_lost() -> None:
+    # Triton 2.51 times its wait for a stub by the wall clock: a step forward ends a wait under way.
+    steps = [reading(0.0), reading(0.05, wall=1.8e9 + 3.0), reading(0.1, wall=1.8e9 + 3.0, alive=False)]
+    actions = observe_all(steps)
+    assert [type(a) for a in actions] == [watch.ClockStep, watch.StubGone, watch.StubLost]
+    assert isinstance(actions[0], watch.ClockStep) and actions[0].seconds == pytest.approx(3.0)
+    # A step backward only makes Triton wait longer.
+    assert observe_all(
+        [reading(0.0), reading(0.05, wall=1.8e9 - 3.0), reading(0.1, wall=1.8e9 - 3.0, alive=False)]
+    ) == [watch.StubGone(expected=False)]

@@ -51,6 +51,15 @@ def alive(pid: int) -> bool:
     return bool(fields) and fields[0] not in ("Z", "X")
 
 
+def start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot: with the pid, tells a process from a later
+    one that reuses its pid (unlike `started_at`, it does not move when the wall clock is set)."""
+    try:
+        return int(_stat_fields(pid)[19])
+    except (IndexError, ValueError):
+        return None
+
+
 def started_at(pid: int) -> float | None:
     """When process `pid` started (epoch seconds, clock-tick resolution)."""
     try:

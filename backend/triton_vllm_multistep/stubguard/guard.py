@@ -27,12 +27,12 @@ FINALIZING = b"finalizing\n"  # what the stub writes on the guard's stdin before
 @dataclass(frozen=True)
 class Stub:
     pid: int
-    started_at: float | None  # tells the stub from a later process with its pid
+    start_ticks: int | None  # tells the stub from a later process with its pid
     server_pid: int
     arguments: ipc.StubArguments
 
     def alive(self) -> bool:
-        return procfs.alive(self.pid) and procfs.started_at(self.pid) == self.started_at
+        return procfs.alive(self.pid) and procfs.start_ticks(self.pid) == self.start_ticks
 
 
 def health_thread(pid: int) -> int | None:
@@ -108,8 +108,10 @@ class Guard:
             )
         while not self._watch.done:
             self._wait(watch.POLL_SECONDS)
+            at = time.monotonic()
             reading = watch.Reading(
-                at=time.monotonic(),
+                at=at,
+                wall_offset=time.time() - at,
                 alive=self.stub.alive(),
                 finalized=self._finalized,
                 health=self.control.stub_health,
@@ -150,6 +152,13 @@ class Guard:
                 f"the guard of stub {instance} did not run for {action.seconds:.1f} s: if tritonserver waited for "
                 f"the stub meanwhile, it may have given up on it",
                 kind="guard_gap",
+                seconds=round(action.seconds, 3),
+            )
+        elif isinstance(action, watch.ClockStep):
+            self._say(
+                f"the wall clock stepped forward {action.seconds:.1f} s: tritonserver 2.51 times its wait for "
+                f"stub {instance}'s answers by it, so a wait under way gave up at once",
+                kind="clock_step",
                 seconds=round(action.seconds, 3),
             )
         elif isinstance(action, watch.StubGone):
@@ -206,6 +215,6 @@ def main(argv: list[str]) -> int:
             flush=True,
         )
         return 0
-    stub = Stub(stub_pid, procfs.started_at(stub_pid), procfs.parent(stub_pid) or 0, arguments)
+    stub = Stub(stub_pid, procfs.start_ticks(stub_pid), procfs.parent(stub_pid) or 0, arguments)
     Guard(stub, control, sys.stdin.fileno(), sys.stderr).run()
     return 0

@@ -25,7 +25,10 @@ VOUCH_AFTER_SECONDS = 0.4
 REPORTED_STALL_SECONDS = 1.0
 # The guard itself did not run for this long: it may have missed Triton's 1-s check.
 GUARD_GAP_SECONDS = 0.9
-# After such a gap, a stub death within this long counts as caused by it.
+# The wall clock stepped forward this much: tritonserver 2.51 times its 1-s wait by the wall clock
+# (boost::get_system_time), so a wait under way when it stepped ends at once, and with it the stub.
+CLOCK_STEP_SECONDS = 0.5
+# After such a gap or step, a stub death within this long counts as caused by it.
 AFTER_GAP_SECONDS = 5.0
 # An answer in Triton's queue this long with nothing asked of the stub: nobody waits for it.
 STALE_ANSWER_SECONDS = 0.5
@@ -34,6 +37,7 @@ STALE_ANSWER_SECONDS = 0.5
 @dataclass(frozen=True)
 class Reading:
     at: float  # monotonic seconds
+    wall_offset: float  # wall-clock time minus `at`: moves only when the wall clock is set
     alive: bool  # the stub process runs (not gone, not a zombie)
     finalized: bool  # the stub said it is finalizing: its exit is expected
     health: bool  # the stub's health flag
@@ -61,6 +65,11 @@ class GuardGap:
 
 
 @dataclass(frozen=True)
+class ClockStep:
+    seconds: float
+
+
+@dataclass(frozen=True)
 class StubGone:
     expected: bool
 
@@ -70,7 +79,7 @@ class StubLost:
     reason: str
 
 
-Action = Vouch | StallOver | GuardGap | StubGone | StubLost
+Action = Vouch | StallOver | GuardGap | ClockStep | StubGone | StubLost
 
 
 class Watch:
@@ -78,6 +87,7 @@ class Watch:
 
     def __init__(self) -> None:
         self._last_at: float | None = None
+        self._wall_offset: float | None = None
         self._runs: int | None = None
         self._quiet_since: float | None = None  # the health thread has not run (or the flag is down) since
         self._stall_started: float | None = None
@@ -96,12 +106,18 @@ class Watch:
             self._gap_at = now
             actions.append(GuardGap(now - self._last_at))
         self._last_at = now
+        if self._wall_offset is not None and reading.wall_offset - self._wall_offset >= CLOCK_STEP_SECONDS:
+            self._gap_at = now
+            actions.append(ClockStep(reading.wall_offset - self._wall_offset))
+        self._wall_offset = reading.wall_offset
         if not reading.alive:
             self.done = True
             actions.extend(self._stall_over(now))
             actions.append(StubGone(expected=reading.finalized))
             if not reading.finalized and self._gap_at is not None and now - self._gap_at <= AFTER_GAP_SECONDS:
-                actions.append(StubLost("it died right after it and its guard were stalled together"))
+                actions.append(
+                    StubLost("it died right after it and its guard were stalled together, or the wall clock stepped")
+                )
             return actions
         actions.extend(self._vouch_if_needed(reading))
         if not reading.finalized and self._stale_answer(reading):
