@@ -14,7 +14,11 @@ bystander model stream LONG requests; once all have their first token the run's 
 - cancel:   the victim's streams are cancelled by their clients;
 - unload:   the victim is unloaded with streams in flight (they drain or end with an error);
 - churn:    no fault: short requests arrive back to back for CHURN_SECONDS (new requests while
-            others end, the pattern of the paths above at their moment of failure).
+            others end, the pattern of the paths above at their moment of failure);
+- stall:    the victim's stub is stopped (SIGSTOP) for 1.5-5 s, then continued: its stub guard keeps
+            Triton waiting, so every stream and arrival completes (docs/lifecycle.md);
+- stall_stage: the same for the ensemble's preprocessing or postprocessing stub (alternately), with
+            the victim streams and arrivals going through the ensemble.
 Throughout every run, short requests keep arriving at the victim (as from a load balancer), so
 that new requests meet the failure; each must end once, completed or with an error.
 What must hold: every victim stream ends once (one FINAL or a stream error, the injected faults
@@ -30,6 +34,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import random
 import sys
 import threading
 import time
@@ -40,7 +45,7 @@ import requests
 import tritonclient.grpc as grpcclient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from private_servers import make_repository, model_ready
+from private_servers import copy_pipeline_stages, make_repository, model_ready
 from triton_clients import StreamResult, grpc_generate
 
 from triton_vllm_multistep.testing.faults import model_fault_file, server_environment
@@ -54,10 +59,13 @@ MODELS = {
     VICTIM_PROCESS: {},
     VICTIM_STUB: {"parameters": {"engine_process": "false"}},
     BYSTANDER: {},
+    "vllm_model": {},  # the LLM model of the ensemble (stall_stage)
 }
 LONG = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
 BYSTANDER_TOKENS = 120
-PATHS = ("forward", "exit", "send", "cancel", "unload", "churn")
+PATHS = ("forward", "exit", "send", "cancel", "unload", "churn", "stall", "stall_stage")
+ENSEMBLE = "ensemble"  # around vllm_model, for stall_stage
+STAGES = ("preprocessing", "postprocessing")
 SHORT = {"temperature": 0, "max_tokens": 2, "ignore_eos": True}
 CHURN_SECONDS = 15.0
 MALLOC_DEBUG_LIBRARY = "/lib/x86_64-linux-gnu/libc_malloc_debug.so.0"
@@ -184,6 +192,8 @@ def victim_problems(results: list, path: str) -> list[str]:
             )
         if path in ("forward", "exit", "send") and result.error is None:
             problems.append(f"victim stream {index}: no error after the injected {path} fault")
+        if path.startswith("stall") and result.error is not None:
+            problems.append(f"victim stream {index}: an error after a stall its guard should contain: {result.error}")
     return problems
 
 
@@ -230,7 +240,17 @@ def one_run(server: ServerProcess, fault_file: Path, number: int, victim: str, p
     arrivals = Arrivals(server, victim, 8 if path == "churn" else 2)
     if not victims.wait_first(60) or not bystanders.wait_first(60):
         run.problems.append("streams did not start within 60 s")
-    if path == "churn":
+    if path.startswith("stall"):
+        stub_model = STAGES[number % 2] if path == "stall_stage" else victim
+        stubs = server.running_with(f"/{stub_model}/1/model.py")
+        seconds = random.uniform(1.5, 5.0)
+        run.path = f"{path} {stub_model} {seconds:.1f}s"
+        for stub in stubs:
+            stub.suspend()
+        time.sleep(seconds)
+        for stub in stubs:
+            stub.resume()
+    elif path == "churn":
         time.sleep(CHURN_SECONDS)
     elif path in ("forward", "exit", "send"):
         model_fault_file(fault_file, victim, "" if path == "forward" else path).touch()
@@ -270,13 +290,17 @@ def one_run(server: ServerProcess, fault_file: Path, number: int, victim: str, p
         log.seek(log_at)
         new = log.read().decode(errors="replace")
     run.problems += [f"log: {line.strip()}" for line in new.splitlines() if any(m in line for m in ABORT_MARKS)]
+    if path.startswith("stall"):
+        gave_up = ("is not healthy", "is lost")
+        run.problems += [f"log: {line.strip()}" for line in new.splitlines() if any(m in line for m in gave_up)]
     run.seconds = time.monotonic() - started
     return run
 
 
 def start(root: Path, fault_file: Path, attempt: int, extra_env: dict[str, str]) -> ServerProcess:
     repository = make_repository(root / f"server-{attempt}", MODELS)
-    loads = [f"--load-model={name}" for name in MODELS]
+    copy_pipeline_stages(repository)
+    loads = [f"--load-model={name}" for name in (*MODELS, ENSEMBLE)]
     server, seconds = start_ready_server(
         repository,
         root / f"tritonserver-{attempt}.log",
@@ -310,7 +334,7 @@ def main() -> int:
     for burner in burners:
         burner.start()
     plan = [
-        (victim, path)
+        (ENSEMBLE if path == "stall_stage" else victim, path)
         for victim, path in itertools.product((VICTIM_PROCESS, VICTIM_STUB), args.paths)
         if not (path == "exit" and victim == VICTIM_STUB)  # exiting an in-stub engine ends the stub
     ]
@@ -326,7 +350,7 @@ def main() -> int:
             run = one_run(server, fault_file, number, victim, path, args.streams)
             runs.append(run)
             verdict = "ok" if not run.problems else "FAILED: " + "; ".join(run.problems[:6])
-            print(f"run {number:3d} {victim:15s} {path:8s} {run.seconds:5.1f} s  {verdict}", flush=True)
+            print(f"run {number:3d} {victim:15s} {run.path:8s} {run.seconds:5.1f} s  {verdict}", flush=True)
             if run.problems:
                 server.stop(timeout=30)
                 attempt += 1

@@ -51,6 +51,12 @@ def alive(pid: int) -> bool:
     return bool(fields) and fields[0] not in ("Z", "X")
 
 
+def alive_since(pid: int, ticks: int | None) -> bool:
+    """Running, and the same process that started at `ticks` (`start_ticks`): one read of its stat."""
+    fields = _stat_fields(pid)
+    return len(fields) > 19 and fields[0] not in ("Z", "X") and fields[19] == str(ticks)
+
+
 def start_ticks(pid: int) -> int | None:
     """When process `pid` started, in clock ticks since boot: with the pid, tells a process from a later
     one that reuses its pid (unlike `started_at`, it does not move when the wall clock is set)."""

@@ -61,19 +61,24 @@ def _faults() -> dict[str, int]:
 
 
 def _run(path: Path, instance: str) -> None:
-    last = time.monotonic()
+    started = last = time.monotonic()
+    cpu = time.process_time()
     while True:
         time.sleep(WAKE_SECONDS)
-        now = time.monotonic()
-        gap = now - last
-        last = now
+        now, cpu_now = time.monotonic(), time.process_time()
+        gap, busy = now - last, cpu_now - cpu
+        last, cpu = now, cpu_now
         if gap <= GAP_SECONDS:
             continue
         record = {
             "time": time.time(),
             "instance": instance,
             "pid": os.getpid(),
+            "since_start": round(now - started, 3),
             "gap_seconds": round(gap, 3),
+            # CPU the whole process used meanwhile: about the gap or more, another thread held the GIL;
+            # about none, the process did not run (stopped, starved, waiting on I/O or memory).
+            "process_cpu_seconds": round(busy, 3),
             "wall_minus_monotonic": round(time.time() - now, 3),  # a wall-clock step shows here
             "sched": _sched(),
             "pressure": _pressure(),

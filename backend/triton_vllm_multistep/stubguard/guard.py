@@ -32,7 +32,7 @@ class Stub:
     arguments: ipc.StubArguments
 
     def alive(self) -> bool:
-        return procfs.alive(self.pid) and procfs.start_ticks(self.pid) == self.start_ticks
+        return procfs.alive_since(self.pid, self.start_ticks)
 
 
 def health_thread(pid: int) -> int | None:
