@@ -152,8 +152,18 @@ def stopped(processes: list[psutil.Process], seconds: float) -> Iterator[None]:
         resume.join()
 
 
+_references: dict[tuple[str, str, int], dict[int, tuple[str, list[int]]]] = {}
+
+
 def reference_outputs(server: ServerProcess, model: str, count: int) -> dict[int, tuple[str, list[int]]]:
-    """What each of Streams' prompts gets without a stall (greedy: the same every time)."""
+    """What each of Streams' prompts gets without a stall (greedy: the same every time; computed once)."""
+    key = (server.grpc_url, model, count)
+    if key not in _references:
+        _references[key] = _reference_outputs(server, model, count)
+    return _references[key]
+
+
+def _reference_outputs(server: ServerProcess, model: str, count: int) -> dict[int, tuple[str, list[int]]]:
     found = {}
     for index in range(count):
         result = grpc_generate(
@@ -208,7 +218,7 @@ class TestStalledStubs:
         self, pipeline: ServerProcess, stage: str, seconds: float
     ) -> None:
         server = pipeline
-        through, direct = reference_outputs(server, "ensemble", 3), reference_outputs(server, MODEL, 2)
+        through, direct = reference_outputs(server, "ensemble", 3), reference_outputs(server, MODEL, 3)
         stub = stub_of(server, stage)
         log_from = len(server.log_path.read_text(errors="replace"))
         running = Streams(server, 3, STALLED_STREAM, model="ensemble")

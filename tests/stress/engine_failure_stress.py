@@ -241,7 +241,7 @@ def one_run(server: ServerProcess, fault_file: Path, number: int, victim: str, p
     if not victims.wait_first(60) or not bystanders.wait_first(60):
         run.problems.append("streams did not start within 60 s")
     if path.startswith("stall"):
-        stub_model = STAGES[number % 2] if path == "stall_stage" else victim
+        stub_model = STAGES[(number // 2) % 2] if path == "stall_stage" else victim
         stubs = server.running_with(f"/{stub_model}/1/model.py")
         seconds = random.uniform(1.5, 5.0)
         run.path = f"{path} {stub_model} {seconds:.1f}s"
