@@ -150,14 +150,27 @@ def test_a_stub_that_dies_otherwise_is_reported_not_lost() -> None:
 
 
 def test_an_answer_nobody_waits_for_makes_the_stub_lost() -> None:
-    stale = [reading(i * 0.05, parent_queue=WAITING) for i in range(12)]
+    stale = [reading(i * 0.1, parent_queue=WAITING) for i in range(22)]
     assert [type(a) for a in observe_all(stale)] == [watch.StubLost]
+    # Not across a gap in the guard's own readings: tritonserver's waiting thread may not have run either.
+    gapped = [reading(i * 0.1, parent_queue=WAITING) for i in range(5)]
+    gapped += [reading(2.0 + i * 0.1, parent_queue=WAITING) for i in range(10)]
+    assert [type(a) for a in observe_all(gapped)] == [watch.GuardGap]
+    # Nor while tritonserver's threads do not run (starved: its waiting thread has not taken it yet).
+    starved = [
+        watch.Reading(i * 0.1, 1.8e9, True, False, True, 7, IDLE, WAITING, server_runs=1000 + i) for i in range(40)
+    ]
+    assert observe_all(starved) == []
+    running = [
+        watch.Reading(i * 0.1, 1.8e9, True, False, True, 7, IDLE, WAITING, server_runs=1000 + 10 * i) for i in range(40)
+    ]
+    assert [type(a) for a in observe_all(running)] == [watch.StubLost]
     # An answer Triton takes at once, or one while the stub has a message to read, is normal.
-    taken = [reading(i * 0.05, parent_queue=WAITING if i % 2 else IDLE) for i in range(30)]
+    taken = [reading(i * 0.1, parent_queue=WAITING if i % 2 else IDLE) for i in range(30)]
     assert observe_all(taken) == []
-    busy = [reading(i * 0.05, parent_queue=WAITING, stub_queue=WAITING) for i in range(30)]
+    busy = [reading(i * 0.1, parent_queue=WAITING, stub_queue=WAITING) for i in range(30)]
     assert observe_all(busy) == []
-    finalizing = [reading(i * 0.05, parent_queue=WAITING, finalized=True) for i in range(30)]
+    finalizing = [reading(i * 0.1, parent_queue=WAITING, finalized=True) for i in range(30)]
     assert observe_all(finalizing) == []
 
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from triton_vllm_multistep.stubguard.ipc import QueueState
 
-POLL_SECONDS = 0.05
+# Every 100 ms: a vouch lands at most ~0.5 s after Triton clears the flag (it looks at 1 s); ~0.4% of a core.
+POLL_SECONDS = 0.1
 # The stub's health thread sets the flag every 300 ms; Triton checks it 1 s after clearing it.
 VOUCH_AFTER_SECONDS = 0.4
 # A stall this long is one Triton would have given up on: worth a line in the log.
@@ -30,8 +31,13 @@ GUARD_GAP_SECONDS = 0.9
 CLOCK_STEP_SECONDS = 0.5
 # After such a gap or step, a stub death within this long counts as caused by it.
 AFTER_GAP_SECONDS = 5.0
-# An answer in Triton's queue this long with nothing asked of the stub: nobody waits for it.
-STALE_ANSWER_SECONDS = 0.5
+# An answer in Triton's queue this long with nothing asked of the stub: nobody waits for it. Seen over
+# readings this close together only: on a starved host tritonserver's waiting thread may not have
+# run yet to take it (a guard that did not run itself cannot tell), and a false "lost" kills a server.
+STALE_ANSWER_SECONDS = 2.0
+STALE_READINGS_APART_SECONDS = 0.3
+# tritonserver's threads were run this many times while the answer waited: it was not starved.
+SERVER_RAN_RUNS = 50
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,9 @@ class Reading:
     health_thread_runs: int | None
     stub_queue: QueueState  # tritonserver → stub
     parent_queue: QueueState  # stub → tritonserver
+    # How many times tritonserver's threads have been run, summed (None: not read). Read only while an
+    # answer seems stale: it tells a tritonserver that did not run (starved) from one that did not wait.
+    server_runs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,7 @@ class StallOver:
 @dataclass(frozen=True)
 class GuardGap:
     seconds: float
+    waited_on: bool  # at its end Triton was waiting for the stub (the flag down, or a message unread)
 
 
 @dataclass(frozen=True)
@@ -95,16 +105,25 @@ class Watch:
         self._gap_at: float | None = None
         self._stale_since: float | None = None
         self._stale_queue: tuple[QueueState, QueueState] | None = None
+        self._stale_server_runs: int | None = None
         self.done = False
+
+    @property
+    def wants_server_runs(self) -> bool:
+        """Whether the next reading should carry `server_runs` (an answer seems stale)."""
+        return self._stale_since is not None
 
     def observe(self, reading: Reading) -> list[Action]:
         if self.done:
             return []
         actions: list[Action] = []
         now = reading.at
-        if self._last_at is not None and now - self._last_at >= GUARD_GAP_SECONDS:
+        apart = None if self._last_at is None else now - self._last_at
+        if apart is not None and apart >= GUARD_GAP_SECONDS:
             self._gap_at = now
-            actions.append(GuardGap(now - self._last_at))
+            actions.append(GuardGap(apart, waited_on=not reading.health or reading.stub_queue.depth > 0))
+        if apart is None or apart >= STALE_READINGS_APART_SECONDS:
+            self._stale_since = self._stale_queue = self._stale_server_runs = None
         self._last_at = now
         if self._wall_offset is not None and reading.wall_offset - self._wall_offset >= CLOCK_STEP_SECONDS:
             self._gap_at = now
@@ -160,10 +179,16 @@ class Watch:
         with neither queue moving. Triton pops an answer the moment it comes (it is waiting for it)."""
         queues = (reading.stub_queue, reading.parent_queue)
         if reading.parent_queue.depth == 0 or reading.stub_queue.depth != 0:
-            self._stale_since = self._stale_queue = None
+            self._stale_since = self._stale_queue = self._stale_server_runs = None
             return False
         if queues != self._stale_queue:
-            self._stale_since, self._stale_queue = reading.at, queues
+            self._stale_since, self._stale_queue, self._stale_server_runs = reading.at, queues, None
             return False
+        if self._stale_server_runs is None:
+            self._stale_server_runs = reading.server_runs
         assert self._stale_since is not None
-        return reading.at - self._stale_since >= STALE_ANSWER_SECONDS
+        if reading.at - self._stale_since < STALE_ANSWER_SECONDS:
+            return False
+        # tritonserver's threads ran meanwhile (its waiting thread would have taken the answer).
+        before, now = self._stale_server_runs, reading.server_runs
+        return before is None or now is None or now - before >= SERVER_RAN_RUNS
