@@ -18,6 +18,21 @@ from triton_vllm_multistep.host import launcher, probe
 from triton_vllm_multistep.lifecycle import procfs, server_drain, triton_command
 from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV
 
+SERVE_OPTIONS_HELP = "launcher options:\n" + "\n".join(
+    f"  {name:<28}{text}"
+    for name, text in (
+        ("--openai-port PORT", "an OpenAI-compatible API on PORT beside tritonserver (docs/openai.md)"),
+        ("--openai-host HOST", "the address it binds (default 0.0.0.0)"),
+        ("--openai-api-key KEY", "requests to it must carry this bearer key"),
+        ("--openai-args 'OPTIONS'", "further `vllm serve` options for it"),
+        (
+            launcher.RESTART_OPTION,
+            "start tritonserver again when it dies without being asked to stop (counted "
+            "in vllm_multistep:server_restarts_total; docs/lifecycle.md)",
+        ),
+    )
+)
+
 
 def _serve(args: argparse.Namespace, rest: list[str]) -> int:
     for name in demo_models.DEMO_MODELS:
@@ -121,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
+        description="Run tritonserver with this backend installed. The options below are the launcher's own; "
+        "every other argument goes to tritonserver (e.g. --model-repository DIR, --http-port 9000).",
+        epilog=SERVE_OPTIONS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         help="run tritonserver with this backend; every other argument goes to tritonserver, except "
         "--openai-port PORT (an OpenAI-compatible API beside it) and --openai-host, --openai-api-key, "
         "--openai-args 'vLLM serve options' (docs/openai.md), and --restart-on-crash (start tritonserver again "
