@@ -147,7 +147,7 @@ def test_model_unload_releases_remote_workers_before_the_executor_shuts_down() -
     del engine.calls[:]
     server = ModelServer.__new__(ModelServer)
     server.model_name = "m"
-    server.loop, server.metrics, server.heartbeat = loop, None, None
+    server.loop, server.metrics, server.heartbeat, server.restart_count = loop, None, None, None
     server.drain = types.SimpleNamespace(stop=lambda: engine.calls.append("drain.stop"))
     server.responder = types.SimpleNamespace(stop=lambda _message: engine.calls.append("responder.stop"))
     server.close()

@@ -2,7 +2,7 @@
 what stalls a stub on a fresh machine (docs/lifecycle.md, "What stalls a stub").
 
 Not a pytest module (each run sets up a fresh clone's .venv). Usage:
-    .venv/bin/python tests/stress/readme_flow.py --runs 6 [--work-dir DIR] [--cold-cache]
+    .venv/bin/python tests/stress/readme_flow.py --runs 6 [--work-dir DIR] [--cold-cache] [--busy N]
 
 Each run: `git clone` of this checkout, its own `scripts/setup.sh`, (with --cold-cache, as root: the
 page cache dropped, as on a machine just started), `scripts/serve.sh` with
@@ -32,7 +32,13 @@ QUESTIONS = [
 ]
 
 
-def run_once(index: int, work: Path, cold_cache: bool) -> dict:
+def busy_loops(count: int) -> list[subprocess.Popen]:
+    """`count` CPU-bound processes, each in a session of its own (as other users' jobs would be)."""
+    loop = "while True: sum(i * i for i in range(10_000))"
+    return [subprocess.Popen([sys.executable, "-c", loop], start_new_session=True) for _ in range(count)]
+
+
+def run_once(index: int, work: Path, cold_cache: bool, busy: int = 0) -> dict:
     clone = work / f"clone{index}"
     shutil.rmtree(clone, ignore_errors=True)
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
@@ -53,6 +59,7 @@ def run_once(index: int, work: Path, cold_cache: bool) -> dict:
         ["scripts/serve.sh"], cwd=clone, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
     answers = []
+    loops = busy_loops(busy)
     try:
         deadline = time.monotonic() + 600
         while "Started GRPCInferenceService" not in (clone / "server.log").read_text(errors="replace"):
@@ -72,6 +79,8 @@ def run_once(index: int, work: Path, cold_cache: bool) -> dict:
             )
         survived = server.poll() is None
     finally:
+        for loop in loops:
+            loop.kill()
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
             try:
@@ -95,11 +104,12 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=6)
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/readme-flow"))
     parser.add_argument("--cold-cache", action="store_true")
+    parser.add_argument("--busy", type=int, default=0, help="CPU-bound processes beside the server (a busy host)")
     args = parser.parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     failures = 0
     for index in range(args.runs):
-        result = run_once(index, args.work_dir, args.cold_cache)
+        result = run_once(index, args.work_dir, args.cold_cache, args.busy)
         failed = not result["survived"] or any(a["rc"] != 0 for a in result["answers"])
         failures += failed
         print(json.dumps(result), flush=True)
