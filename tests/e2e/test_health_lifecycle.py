@@ -361,7 +361,7 @@ def test_a_stub_lost_to_a_stall_of_it_and_its_guard_brings_the_server_back_resta
     stub = stub_of(server, MODEL)
     guard = guard_of(server, stub.pid)
     (tritonserver,) = server.process_groups()["tritonserver"]
-    with stopped([stub, guard], 2.0):
+    with stopped([stub, guard], 3.0):  # Triton gives up 1 s after the request reaches it
         waiting = Streams(server, 1, SHORT)
     results = waiting.join(timeout=60)
     assert isinstance(results[0], StreamResult) and results[0].error is not None
@@ -391,7 +391,7 @@ def test_without_restart_the_launcher_exits_at_once_naming_the_lost_stub(
     try:
         server.wait_ready(timeout=300)
         stub = stub_of(server, "preprocessing")
-        with stopped([stub, guard_of(server, stub.pid)], 2.0):
+        with stopped([stub, guard_of(server, stub.pid)], 3.0):
             client = grpcclient.InferenceServerClient(server.grpc_url)
             waiting = threading.Thread(target=_preprocess, args=(client,), daemon=True)
             waiting.start()

@@ -136,8 +136,9 @@ def test_without_the_health_thread_a_flag_down_for_400_ms_is_vouched_for() -> No
 
 
 def test_a_stub_that_dies_after_it_and_its_guard_were_stalled_together_is_lost() -> None:
-    actions = observe_all([reading(0.0), reading(2.5), reading(2.55, alive=False)])
-    assert [type(a) for a in actions] == [watch.GuardGap, watch.StubGone, watch.StubLost]
+    actions = observe_all([reading(0.0), reading(2.5, health=False), reading(2.55, alive=False)])
+    kinds = [type(a) for a in actions]
+    assert kinds[0] is watch.GuardGap and kinds[-2:] == [watch.StubGone, watch.StubLost], kinds
     assert isinstance(actions[0], watch.GuardGap) and actions[0].seconds == pytest.approx(2.5)
 
 
@@ -150,21 +151,21 @@ def test_a_stub_that_dies_otherwise_is_reported_not_lost() -> None:
 
 
 def test_an_answer_nobody_waits_for_makes_the_stub_lost() -> None:
-    stale = [reading(i * 0.1, parent_queue=WAITING) for i in range(22)]
-    assert [type(a) for a in observe_all(stale)] == [watch.StubLost]
+    def stale(i: int, *, stub_runs: bool = True, server_runs: int = 10, gap_at: int | None = None) -> watch.Reading:
+        at = i * 0.1 + (2.0 if gap_at is not None and i >= gap_at else 0.0)
+        runs = i // 3 if stub_runs else 7
+        return watch.Reading(at, 1.8e9, True, False, True, runs, IDLE, WAITING, server_runs=1000 + server_runs * i)
+
+    assert [type(a) for a in observe_all([stale(i) for i in range(25)])] == [watch.StubLost]
     # Not across a gap in the guard's own readings: tritonserver's waiting thread may not have run either.
-    gapped = [reading(i * 0.1, parent_queue=WAITING) for i in range(5)]
-    gapped += [reading(2.0 + i * 0.1, parent_queue=WAITING) for i in range(10)]
-    assert [type(a) for a in observe_all(gapped)] == [watch.GuardGap]
+    assert [type(a) for a in observe_all([stale(i, gap_at=5) for i in range(15)])] == [watch.GuardGap]
     # Nor while tritonserver's threads do not run (starved: its waiting thread has not taken it yet).
-    starved = [
-        watch.Reading(i * 0.1, 1.8e9, True, False, True, 7, IDLE, WAITING, server_runs=1000 + i) for i in range(40)
-    ]
-    assert observe_all(starved) == []
-    running = [
-        watch.Reading(i * 0.1, 1.8e9, True, False, True, 7, IDLE, WAITING, server_runs=1000 + 10 * i) for i in range(40)
-    ]
-    assert [type(a) for a in observe_all(running)] == [watch.StubLost]
+    assert observe_all([stale(i, server_runs=0) for i in range(40)]) == []
+    # Nor while the stub does not run: stopped inside its push, it has moved the queue's head but not
+    # yet woken tritonserver (the guard is vouching for it meanwhile).
+    assert observe_all([stale(i, stub_runs=False) for i in range(40)]) == []
+    # Nor without tritonserver's run count.
+    assert observe_all([reading(i * 0.1, parent_queue=WAITING) for i in range(40)]) == []
     # An answer Triton takes at once, or one while the stub has a message to read, is normal.
     taken = [reading(i * 0.1, parent_queue=WAITING if i % 2 else IDLE) for i in range(30)]
     assert observe_all(taken) == []
@@ -191,7 +192,7 @@ def test_the_cause_of_a_crash_is_the_lost_stub_else_the_recent_stalls(tmp_path: 
 
 def test_a_stub_that_dies_after_the_wall_clock_stepped_forward_is_lost() -> None:
     # Triton 2.51 times its wait for a stub by the wall clock: a step forward ends a wait under way.
-    steps = [reading(0.0), reading(0.05, wall=1.8e9 + 3.0), reading(0.1, wall=1.8e9 + 3.0, alive=False)]
+    steps = [reading(0.0), reading(0.05, wall=1.8e9 + 3.0, health=False), reading(0.1, wall=1.8e9 + 3.0, alive=False)]
     actions = observe_all(steps)
     assert [type(a) for a in actions] == [watch.ClockStep, watch.StubGone, watch.StubLost]
     assert isinstance(actions[0], watch.ClockStep) and actions[0].seconds == pytest.approx(3.0)

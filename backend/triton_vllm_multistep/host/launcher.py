@@ -243,6 +243,9 @@ def build_command(install: TritonInstall, backend_dir: Path, server_args: Sequen
 
 
 RESTART_OPTION = "--restart-on-crash"
+# A server dying this soon after its start this many times in a row is not restarted again.
+SHORT_RUN_SECONDS = 60.0
+MAX_SHORT_RUNS = 3
 
 
 def serve(server_args: Sequence[str], backend_dir: Path | None = None) -> int:
@@ -271,21 +274,24 @@ def serve(server_args: Sequence[str], backend_dir: Path | None = None) -> int:
     # A drain file of the server's own unless the user named one (e.g. for `triton-vllm-multistep drain`),
     # and the stub guards' record file beside it.
     own_dir = Path(tempfile.mkdtemp(prefix="triton-vllm-multistep-"))
-    env.setdefault(DRAIN_FILE_ENV, str(own_dir / "drain"))
-    env.setdefault(records.RECORDS_ENV, str(own_dir / "stalls.jsonl"))
+    for name, default in ((DRAIN_FILE_ENV, own_dir / "drain"), (records.RECORDS_ENV, own_dir / "stalls.jsonl")):
+        if not env.get(name):
+            env[name] = str(default)
     record_file = Path(env[records.RECORDS_ENV])
     session = _Session()
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(signum, session.on_signal)
-    restarts = 0
+    restarts = short_runs = 0
     try:
         while True:
             env[records.SERVER_RESTARTS_ENV] = str(restarts)
             seen = len(records.read(record_file))
+            started = time.monotonic()
             code = _run_server(session, command, env, openai_command, exit_timeout)
-            if session.stops or code == 0:
+            if session.stops or session.forwarded or code == 0:
                 return code
-            cause = records.crash_cause(records.read(record_file)[seen:])
+            found = records.read(record_file)[seen:]
+            cause = records.crash_cause(found if code < 0 else [r for r in found if r.kind == records.LOST])
             if code > 0 and cause is None:
                 return code  # it stopped itself (e.g. a model failed to load): its log says why
             print(
@@ -298,6 +304,15 @@ def serve(server_args: Sequence[str], backend_dir: Path | None = None) -> int:
                 return code if code > 0 else 128 - code
             if session.stops:
                 return 1
+            short_runs = short_runs + 1 if time.monotonic() - started < SHORT_RUN_SECONDS else 0
+            if short_runs >= MAX_SHORT_RUNS:
+                print(
+                    f"[triton-vllm-multistep] {RESTART_OPTION}: not again: it died within {SHORT_RUN_SECONDS:g} s "
+                    f"of its start {short_runs} times in a row",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return code if code > 0 else 128 - code
             restarts += 1
             print(
                 f"[triton-vllm-multistep] {RESTART_OPTION}: starting it again (restart {restarts})",
@@ -315,6 +330,7 @@ class _Session:
     def __init__(self) -> None:
         self.process: subprocess.Popen[bytes] | None = None
         self.stops: list[int] = []
+        self.forwarded: list[int] = []  # SIGHUP/SIGQUIT passed on to tritonserver: its exit is asked for
 
     def on_signal(self, signum: int, _frame: object) -> None:
         process = self.process
@@ -323,6 +339,8 @@ class _Session:
             if len(self.stops) == 1:
                 return  # the main loop drains first
         if process is not None and process.poll() is None:
+            if signum not in (signal.SIGINT, signal.SIGTERM):
+                self.forwarded.append(signum)
             process.send_signal(signum)
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import select
 import signal
+import struct
 import sys
 import time
 from dataclasses import dataclass
@@ -127,6 +128,7 @@ class Guard:
         self._finalized = False
         self._log = log
         self._watch = watch.Watch()
+        self._last_offset: float | None = None
         record_file = os.environ.get(records.RECORDS_ENV)
         self._records = Path(record_file) if record_file else None
 
@@ -147,10 +149,10 @@ class Guard:
             )
         while not self._watch.done:
             self._wait(watch.POLL_SECONDS)
-            at = time.monotonic()
+            at, wall_offset = self._clocks()
             reading = watch.Reading(
                 at=at,
-                wall_offset=time.time() - at,
+                wall_offset=wall_offset,
                 alive=self.stub.alive(),
                 finalized=self._finalized,
                 health=self.control.stub_health,
@@ -159,8 +161,20 @@ class Guard:
                 stub_queue=self.control.stub_queue(),
                 parent_queue=self.control.parent_queue(),
             )
-            for action in self._watch.observe(reading):
+            # A vouch first: Triton's 1-s check may be near; the log lines can wait.
+            for action in sorted(self._watch.observe(reading), key=lambda a: not isinstance(a, watch.Vouch)):
                 self._carry_out(action)
+
+    def _clocks(self) -> tuple[float, float]:
+        """(monotonic time, wall clock minus it); a pair read across a preemption keeps the last offset,
+        so that it is not taken for a clock step."""
+        before = time.monotonic()
+        wall = time.time()
+        after = time.monotonic()
+        if after - before > 0.05 and self._last_offset is not None:
+            return after, self._last_offset
+        self._last_offset = wall - before
+        return after, self._last_offset
 
     def _wait(self, seconds: float) -> None:
         """Sleep, waking early when the stub writes FINALIZING (or its end of the pipe closes)."""
@@ -250,7 +264,7 @@ def main(argv: list[str]) -> int:
     try:
         arguments = ipc.stub_arguments(procfs.cmdline(stub_pid))
         control = ipc.StubControl.open(arguments, decoupled)
-    except (ipc.LayoutError, OSError) as error:
+    except (ipc.LayoutError, OSError, ValueError, struct.error) as error:
         print(
             f"[triton-vllm-multistep stub guard] not guarding stub {stub_pid}: {error}. A stall of it over 1 s "
             "can abort tritonserver (docs/lifecycle.md)",
@@ -258,6 +272,14 @@ def main(argv: list[str]) -> int:
             flush=True,
         )
         return 0
-    stub = Stub(stub_pid, procfs.start_ticks(stub_pid), procfs.parent(stub_pid) or 0, arguments)
+    server_pid = procfs.parent(stub_pid)  # tritonserver (PID 1 when it is a container's init)
+    if not server_pid:
+        print(
+            f"[triton-vllm-multistep stub guard] not guarding stub {stub_pid}: its parent is gone",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 0
+    stub = Stub(stub_pid, procfs.start_ticks(stub_pid), server_pid, arguments)
     Guard(stub, control, sys.stdin.fileno(), sys.stderr).run()
     return 0

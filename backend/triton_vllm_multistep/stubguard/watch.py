@@ -37,7 +37,7 @@ AFTER_GAP_SECONDS = 5.0
 STALE_ANSWER_SECONDS = 2.0
 STALE_READINGS_APART_SECONDS = 0.3
 # tritonserver's threads were run this many times while the answer waited: it was not starved.
-SERVER_RAN_RUNS = 50
+SERVER_RAN_RUNS = 5
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,7 @@ class Watch:
         self._stale_since: float | None = None
         self._stale_queue: tuple[QueueState, QueueState] | None = None
         self._stale_server_runs: int | None = None
+        self._stale_stub_runs: int | None = None
         self.done = False
 
     @property
@@ -120,13 +121,16 @@ class Watch:
         now = reading.at
         apart = None if self._last_at is None else now - self._last_at
         if apart is not None and apart >= GUARD_GAP_SECONDS:
-            self._gap_at = now
-            actions.append(GuardGap(apart, waited_on=not reading.health or reading.stub_queue.depth > 0))
+            waited_on = not reading.health or reading.stub_queue.depth > 0
+            if waited_on:
+                self._gap_at = now
+            actions.append(GuardGap(apart, waited_on=waited_on))
         if apart is None or apart >= STALE_READINGS_APART_SECONDS:
             self._stale_since = self._stale_queue = self._stale_server_runs = None
         self._last_at = now
         if self._wall_offset is not None and reading.wall_offset - self._wall_offset >= CLOCK_STEP_SECONDS:
-            self._gap_at = now
+            if not reading.health or reading.stub_queue.depth > 0:  # Triton may have been waiting
+                self._gap_at = now
             actions.append(ClockStep(reading.wall_offset - self._wall_offset))
         self._wall_offset = reading.wall_offset
         if not reading.alive:
@@ -186,9 +190,14 @@ class Watch:
             return False
         if self._stale_server_runs is None:
             self._stale_server_runs = reading.server_runs
+            self._stale_stub_runs = reading.health_thread_runs
         assert self._stale_since is not None
         if reading.at - self._stale_since < STALE_ANSWER_SECONDS:
             return False
-        # tritonserver's threads ran meanwhile (its waiting thread would have taken the answer).
+        # The stub ran meanwhile (a stub stopped inside its push has moved the queue's head but not yet
+        # woken Triton), and so did tritonserver's threads (its waiting thread would have taken it).
+        stub_before, stub_now = self._stale_stub_runs, reading.health_thread_runs
+        if stub_before is not None and stub_now is not None and stub_now == stub_before:
+            return False
         before, now = self._stale_server_runs, reading.server_runs
-        return before is None or now is None or now - before >= SERVER_RAN_RUNS
+        return before is not None and now is not None and now - before >= SERVER_RAN_RUNS
