@@ -121,16 +121,15 @@ class Watch:
         now = reading.at
         apart = None if self._last_at is None else now - self._last_at
         if apart is not None and apart >= GUARD_GAP_SECONDS:
-            waited_on = not reading.health or reading.stub_queue.depth > 0
-            if waited_on:
-                self._gap_at = now
-            actions.append(GuardGap(apart, waited_on=waited_on))
+            # Whatever the reading after it shows: the stub, resumed with the guard (or before it), may
+            # have raised its flag and taken its messages already.
+            self._gap_at = now
+            actions.append(GuardGap(apart, waited_on=not reading.health or reading.stub_queue.depth > 0))
         if apart is None or apart >= STALE_READINGS_APART_SECONDS:
             self._stale_since = self._stale_queue = self._stale_server_runs = None
         self._last_at = now
         if self._wall_offset is not None and reading.wall_offset - self._wall_offset >= CLOCK_STEP_SECONDS:
-            if not reading.health or reading.stub_queue.depth > 0:  # Triton may have been waiting
-                self._gap_at = now
+            self._gap_at = now
             actions.append(ClockStep(reading.wall_offset - self._wall_offset))
         self._wall_offset = reading.wall_offset
         if not reading.alive:
