@@ -301,7 +301,7 @@ def serve(server_args: Sequence[str], backend_dir: Path | None = None) -> int:
                 flush=True,
             )
             if not restart_on_crash:
-                return code if code > 0 else 128 - code
+                return _exit_status(code)
             if session.stops:
                 return 1
             short_runs = short_runs + 1 if time.monotonic() - started < SHORT_RUN_SECONDS else 0
@@ -312,7 +312,7 @@ def serve(server_args: Sequence[str], backend_dir: Path | None = None) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-                return code if code > 0 else 128 - code
+                return _exit_status(code)
             restarts += 1
             print(
                 f"[triton-vllm-multistep] {RESTART_OPTION}: starting it again (restart {restarts})",
@@ -342,6 +342,11 @@ class _Session:
             if signum not in (signal.SIGINT, signal.SIGTERM):
                 self.forwarded.append(signum)
             process.send_signal(signum)
+
+
+def _exit_status(code: int) -> int:
+    """The launcher's exit status for tritonserver's return code (a signal N: 128 + N, as a shell says)."""
+    return code if code > 0 else 128 - code
 
 
 def _describe_exit(code: int) -> str:

@@ -1,4 +1,5 @@
-"""Reading other processes from Linux's /proc: command line, environment, parent, state, start time.
+"""Reading processes from Linux's /proc: command line, environment, parent, state, start time, threads,
+how often they ran, page faults; and the host's pressure stall information.
 
 Owns the file formats only; every reader returns an empty/None answer for a process that is gone
 or unreadable, and knows nothing about Triton.
@@ -109,4 +110,56 @@ def descendants(pid: int) -> list[int]:
         below = by_parent.get(frontier.pop(0), [])
         found.extend(below)
         frontier.extend(below)
+    return found
+
+
+def threads(pid: int) -> list[int]:
+    """The thread ids of process `pid`, in order (empty if it is gone)."""
+    try:
+        return sorted(int(entry.name) for entry in (PROC / str(pid) / "task").iterdir() if entry.name.isdigit())
+    except OSError:
+        return []
+
+
+def wchan(pid: int, tid: int) -> str:
+    """Where thread `tid` sleeps in the kernel ("" if unknown)."""
+    try:
+        return (PROC / str(pid) / "task" / str(tid) / "wchan").read_text()
+    except OSError:
+        return ""
+
+
+def thread_runs(pid: int, tid: int) -> int | None:
+    """How many times thread `tid` has been run on a CPU (schedstat, third field)."""
+    try:
+        return int((PROC / str(pid) / "task" / str(tid) / "schedstat").read_text().split()[2])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def process_runs(pid: int) -> int | None:
+    """How many times the threads of process `pid` have been run on a CPU, summed; None if it is gone."""
+    tids = threads(pid)
+    if not tids:
+        return None
+    return sum(runs for runs in (thread_runs(pid, tid) for tid in tids) if runs is not None)
+
+
+def faults(pid: int) -> dict[str, int | str]:
+    """Its state, minor and major page faults so far and thread count ({} if it is gone)."""
+    fields = _stat_fields(pid)
+    try:
+        return {"state": fields[0], "minor": int(fields[7]), "major": int(fields[9]), "threads": int(fields[17])}
+    except (IndexError, ValueError):
+        return {}
+
+
+def pressure() -> dict[str, str]:
+    """The host's pressure stall information per resource (its lines joined by " | "), where the kernel has it."""
+    found = {}
+    for resource in ("cpu", "io", "memory"):
+        try:
+            found[resource] = (PROC / "pressure" / resource).read_text().strip().replace("\n", " | ")
+        except OSError:
+            continue
     return found

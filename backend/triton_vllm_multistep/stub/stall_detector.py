@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+from triton_vllm_multistep.lifecycle import procfs
+
 DETECTOR_ENV = "TRITON_VLLM_MULTISTEP_STALL_DETECTOR"
 WAKE_SECONDS = 0.05
 GAP_SECONDS = 0.25
@@ -42,24 +44,6 @@ def _sched() -> dict[str, float]:
     return found
 
 
-def _pressure() -> dict[str, str]:
-    found = {}
-    for resource in ("cpu", "io", "memory"):
-        try:
-            found[resource] = Path(f"/proc/pressure/{resource}").read_text().strip().replace("\n", " | ")
-        except OSError:
-            continue
-    return found
-
-
-def _faults() -> dict[str, int]:
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        return {"minor": int(fields[7]), "major": int(fields[9]), "threads": int(fields[17])}
-    except (OSError, IndexError, ValueError):
-        return {}
-
-
 def _run(path: Path, instance: str) -> None:
     started = last = time.monotonic()
     cpu = time.process_time()
@@ -81,8 +65,8 @@ def _run(path: Path, instance: str) -> None:
             "process_cpu_seconds": round(busy, 3),
             "wall_minus_monotonic": round(time.time() - now, 3),  # a wall-clock step shows here
             "sched": _sched(),
-            "pressure": _pressure(),
-            "faults": _faults(),
+            "pressure": procfs.pressure(),
+            "faults": procfs.faults(os.getpid()),
         }
         try:
             with path.open("a") as out:

@@ -39,42 +39,7 @@ class Stub:
 def health_thread(pid: int) -> int | None:
     """The stub's health thread: the first of its threads asleep in nanosleep (pb_stub.cc starts it right
     after the interpreter, before any model code, and it sleeps 300 ms at a time); None if none is."""
-    try:
-        tids = sorted(int(entry.name) for entry in Path(f"/proc/{pid}/task").iterdir() if entry.name.isdigit())
-    except OSError:
-        return None
-    for tid in tids:
-        if tid == pid:
-            continue
-        try:
-            if "nanosleep" in Path(f"/proc/{pid}/task/{tid}/wchan").read_text():
-                return tid
-        except OSError:
-            continue
-    return None
-
-
-def thread_runs(pid: int, tid: int) -> int | None:
-    """How many times thread `tid` has been run on a CPU (/proc/.../schedstat, third field)."""
-    try:
-        return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[2])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def process_runs(pid: int) -> int | None:
-    """How many times the threads of process `pid` have been run on a CPU, summed (schedstat)."""
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return None
-    total = 0
-    for task in tasks:
-        try:
-            total += int((task / "schedstat").read_text().split()[2])
-        except (OSError, IndexError, ValueError):
-            continue
-    return total
+    return next((tid for tid in procfs.threads(pid) if tid != pid and "nanosleep" in procfs.wchan(pid, tid)), None)
 
 
 def run_promptly(log: TextIO) -> None:
@@ -98,26 +63,6 @@ def run_promptly(log: TextIO) -> None:
         file=log,
         flush=True,
     )
-
-
-def pressure() -> dict[str, str]:
-    """The host's pressure stall information (the `some` line of each resource), where the kernel has it."""
-    found = {}
-    for resource in ("cpu", "io", "memory"):
-        try:
-            found[resource] = Path(f"/proc/pressure/{resource}").read_text().splitlines()[0]
-        except (OSError, IndexError):
-            continue
-    return found
-
-
-def faults(pid: int) -> dict[str, int]:
-    """The process's minor and major page faults so far (/proc/<pid>/stat fields 10 and 12)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return {"minor": int(fields[7]), "major": int(fields[9]), "state": fields[0]}  # type: ignore[dict-item]
-    except (OSError, IndexError, ValueError):
-        return {}
 
 
 class Guard:
@@ -156,8 +101,8 @@ class Guard:
                 alive=self.stub.alive(),
                 finalized=self._finalized,
                 health=self.control.stub_health,
-                health_thread_runs=None if tid is None else thread_runs(self.stub.pid, tid),
-                server_runs=process_runs(self.stub.server_pid) if self._watch.wants_server_runs else None,
+                health_thread_runs=None if tid is None else procfs.thread_runs(self.stub.pid, tid),
+                server_runs=procfs.process_runs(self.stub.server_pid) if self._watch.wants_server_runs else None,
                 stub_queue=self.control.stub_queue(),
                 parent_queue=self.control.parent_queue(),
             )
@@ -230,7 +175,7 @@ class Guard:
 
     def _say(self, message: str, *, kind: str, quietly: bool = False, **fields: object) -> None:
         """Log (unless `quietly`: recorded only) and record."""
-        details = {"pressure": pressure(), "stub": faults(self.stub.pid)}
+        details = {"pressure": procfs.pressure(), "stub": procfs.faults(self.stub.pid)}
         if not quietly:
             print(f"[triton-vllm-multistep stub guard] {message} {json.dumps(details)}", file=self._log, flush=True)
         if self._records is None:
