@@ -44,3 +44,26 @@ def demo_model_paths() -> dict[str, Path]:
     from triton_vllm_multistep.demo import models as demo_models
 
     return {name: demo_models.build(name) for name in demo_models.DEMO_MODELS}
+
+
+# Wall time per tier (setup, call and teardown of its tests: its servers' starts and stops count
+# where they happen), printed at the end of every run so that each tier's budget is visible.
+_TIER_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    tier = report.nodeid.split("/")[1] if report.nodeid.startswith("tests/") else "other"
+    _TIER_SECONDS[tier] = _TIER_SECONDS.get(tier, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if not _TIER_SECONDS:
+        return
+    terminalreporter.section("time per tier")
+    measured_before = {"set-up": "TRITON_VLLM_MULTISTEP_SETUP_SECONDS", "lint": "TRITON_VLLM_MULTISTEP_LINT_SECONDS"}
+    for part, variable in measured_before.items():
+        if variable in os.environ:  # scripts/test.sh measured them before pytest started
+            terminalreporter.write_line(f"{part:>8}: {float(os.environ[variable]):7.1f} s")
+    for tier, seconds in sorted(_TIER_SECONDS.items()):
+        terminalreporter.write_line(f"{tier:>8}: {seconds:7.1f} s")
+    terminalreporter.write_line(f"{'tests':>8}: {sum(_TIER_SECONDS.values()):7.1f} s")
