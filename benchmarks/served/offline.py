@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.served.settings import KV_CACHE_GIB, ROOT, SOURCE_MODEL, engine_json, prompt
+from benchmarks.served.settings import KV_CACHE_GIB, ROOT, prompt, served_model_settings
 
 ANSWER_MARK = "@@offline-engine@@ "
 
@@ -34,16 +34,17 @@ def offline_engine_process(steps: int, max_tokens: int, model: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.utils import Counter
 
+    from triton_vllm_multistep.engine.engine_args import engine_values, to_engine_args
     from triton_vllm_multistep.engine.factory import build_engine
-    from triton_vllm_multistep.stub import config as backend_config
     from triton_vllm_multistep.testing.step_timing import forward_only_ceiling
 
     # All cores and all cores but one (what the served engine uses), unless the user chose a count.
     # Read before the build: vLLM's CPU platform sets OMP_NUM_THREADS while building.
     cores = torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") else len(os.sched_getaffinity(0))
     thread_counts = sorted({cores, max(1, cores - 1)}, reverse=True)
-    settings = backend_config.BackendSettings(stream_mode="window")
-    engine_args = backend_config.engine_args(engine_json(steps, model), SOURCE_MODEL, settings)
+    # Built to hand out once per window: LLM.generate reads only each request's last output.
+    values = {**served_model_settings(steps, model).engine_args, "multi_step_stream_outputs": False}
+    engine_args = to_engine_args(engine_values(values))
     engine = build_engine(engine_args, stream_mode="window")
     # LLM.generate itself, on this engine (LLM() would build vLLM's CPU engine, which has no multi-step).
     llm = LLM.__new__(LLM)

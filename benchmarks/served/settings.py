@@ -5,12 +5,14 @@ Owns the constants every part shares and reading `targets.toml`; must not run an
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tomllib
+
+if TYPE_CHECKING:
+    from triton_vllm_multistep.settings import ModelSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -66,15 +68,19 @@ def prompt(i: int) -> str:
     return f"{SHARED_PREFIX['text']}request {i}: {PROMPTS[i % len(PROMPTS)]}"
 
 
-def engine_json(steps: int, model: str) -> dict[str, Any]:
-    """The served model's engine arguments on CPU (model.json + configs/cpu.pbtxt's engine_args), with
-    `num_scheduler_steps` and the model reference replaced: the offline engine runs what the server runs."""
-    from triton_vllm_multistep.stub.config import apply_config_engine_args
+def served_model_settings(steps: int, model: str) -> ModelSettings:
+    """The served model's settings on CPU (model.json + configs/cpu.pbtxt, read as its stub reads
+    them: settings/), with `num_scheduler_steps` and the model reference replaced: the offline
+    engine runs what the server runs."""
+    from triton_vllm_multistep.settings import config_with_parameters, read_model_settings
     from triton_vllm_multistep.testing.pbtxt import pbtxt_string_parameters
 
     parameters = pbtxt_string_parameters((SOURCE_MODEL / "configs" / "cpu.pbtxt").read_text())
-    model_config = {"parameters": {key: {"string_value": value} for key, value in parameters.items()}}
-    data = apply_config_engine_args(json.loads((SOURCE_MODEL / "1" / "model.json").read_text()), model_config)
-    data["num_scheduler_steps"] = steps
-    data["model"] = model
-    return data
+    overrides = {"num_scheduler_steps": steps, "model": model}
+    return read_model_settings(SOURCE_MODEL, "1", config_with_parameters(parameters), overrides=overrides)
+
+
+def engine_json(steps: int, model: str) -> dict[str, Any]:
+    """The served model's engine arguments as model.json + the CPU config's engine_args give them
+    (before the backend's defaults and path resolution), at `steps` and with `model`."""
+    return dict(served_model_settings(steps, model).engine_json)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from triton_vllm_multistep.stub import config
+from triton_vllm_multistep.engine import engine_args as vllm_args
+from triton_vllm_multistep.settings import engine_json as model_json
 
 
 def test_the_async_only_fields_are_exactly_what_async_engine_args_adds_to_engine_args() -> None:
@@ -15,6 +16,6 @@ def test_the_async_only_fields_are_exactly_what_async_engine_args_adds_to_engine
 
     engine = {field.name for field in dataclasses.fields(EngineArgs)}
     added = {field.name for field in dataclasses.fields(AsyncEngineArgs)} - engine
-    assert added == set(config.ASYNC_ONLY_ENGINE_ARGS)
+    assert added == set(model_json.ASYNC_ONLY_ENGINE_ARGS)
     every_field = {name: None for name in engine | added}
-    assert set(config.engine_fields(every_field, engine)) == engine
+    assert set(vllm_args.engine_fields(every_field, engine)) == engine

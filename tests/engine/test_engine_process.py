@@ -185,11 +185,12 @@ def test_by_default_a_host_without_a_python_for_it_gets_the_engine_in_the_stub(
 ) -> None:
     import logging
 
-    from triton_vllm_multistep.stub import config
+    from triton_vllm_multistep.engine import engine_args as vllm_args
+    from triton_vllm_multistep.settings import backend
     from triton_vllm_multistep.stub.instance import launch_engine_process, start_engine_runner
 
     _no_python_here(monkeypatch)
-    settings = config.BackendSettings()  # engine_process auto
+    settings = backend.BackendSettings()  # engine_process auto
     backend_logger = logging.getLogger("triton_vllm_multistep")  # does not propagate (the stub's log)
     backend_logger.addHandler(caplog.handler)
     try:
@@ -199,7 +200,7 @@ def test_by_default_a_host_without_a_python_for_it_gets_the_engine_in_the_stub(
     assert process is None
     assert "model llm: the engine runs in the stub (engine_process auto): could not start" in caplog.text
     values = _fields()
-    runner = start_engine_runner(settings, values, config.to_engine_args(values), {}, process)
+    runner = start_engine_runner(settings, values, vllm_args.to_engine_args(values), {}, process)
     try:
         assert isinstance(runner, EngineLoop) and runner.facts.num_scheduler_steps == STEPS
     finally:
@@ -210,22 +211,23 @@ def test_engine_process_true_without_a_python_for_it_is_a_load_error_saying_what
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from triton_vllm_multistep.engine.process import PYTHON_ENV
-    from triton_vllm_multistep.stub import config
+    from triton_vllm_multistep.settings import backend, parameters
     from triton_vllm_multistep.stub.instance import launch_engine_process
 
     _no_python_here(monkeypatch)
-    settings = config.BackendSettings(engine_process_required=True)
-    with pytest.raises(config.ConfigError, match=f"model llm: engine_process is true but .* set {PYTHON_ENV}"):
+    settings = backend.BackendSettings(engine_process_required=True)
+    with pytest.raises(parameters.ConfigError, match=f"model llm: engine_process is true but .* set {PYTHON_ENV}"):
         launch_engine_process(settings, "llm")
 
 
 def test_launched_early_it_builds_once_given_the_spec_and_stops_at_once_without_one() -> None:
     """The stub launches the process before its own vLLM import and sends the spec when ready; a
     load that fails in between stops a process that never got anything to build."""
-    from triton_vllm_multistep.stub import config
+    from triton_vllm_multistep.engine import engine_args as vllm_args
+    from triton_vllm_multistep.settings import backend
     from triton_vllm_multistep.stub.instance import launch_engine_process, start_engine_runner
 
-    settings = config.BackendSettings(use_ipex=False)
+    settings = backend.BackendSettings(use_ipex=False)
     unused = launch_engine_process(settings, "llm")
     assert unused is not None and unused.pid is not None
     unused.stop()
@@ -233,7 +235,7 @@ def test_launched_early_it_builds_once_given_the_spec_and_stops_at_once_without_
 
     process = launch_engine_process(settings, "llm")
     values = _fields()
-    runner = start_engine_runner(settings, values, config.to_engine_args(values), {}, process)
+    runner = start_engine_runner(settings, values, vllm_args.to_engine_args(values), {}, process)
     try:
         assert runner is process and process.facts.num_scheduler_steps == STEPS
         assert process.facts.attention_kernels.startswith("PyTorch SDPA")  # launched with IPEX off

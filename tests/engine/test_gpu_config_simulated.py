@@ -1,7 +1,7 @@
 """The GPU engine path with vLLM's CUDA platform simulated (compute capability 9.0 unless said).
 
 Builds the engine config of every shipped GPU config through the backend's own path (model.json +
-the config's engine_args → stub.config → engine.factory.build_engine, stopped just before vLLM
+the config's engine_args → settings/ → engine.factory.build_engine, stopped just before vLLM
 builds workers) and runs vLLM 0.8.5's own attention-backend choice and MultiStepModelRunner check
 on it; shows that what the backend refuses at load is what vLLM's runner would refuse later. No
 GPU here: this proves configuration decisions only, not kernels (see docs/gpu.md).
@@ -25,10 +25,11 @@ from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 
 from triton_vllm_multistep.engine import factory, gpu_worker
+from triton_vllm_multistep.engine.engine_args import engine_args_of
 from triton_vllm_multistep.engine.factory import EngineBuildError, build_engine
 from triton_vllm_multistep.engine.gpu_multistep import WindowClosingEngine, chosen_attention_backend
 from triton_vllm_multistep.engine.loop import module_hooks_time_the_forward_pass
-from triton_vllm_multistep.stub import config
+from triton_vllm_multistep.settings import BackendSettings, ConfigError, read_model_settings
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 
@@ -56,7 +57,7 @@ def shipped_gpu_configs() -> list[Path]:
     return found
 
 
-def _engine_args(path: Path, overrides: dict[str, Any] | None = None) -> tuple[EngineArgs, config.BackendSettings]:
+def _engine_args(path: Path, overrides: dict[str, Any] | None = None) -> tuple[EngineArgs, BackendSettings]:
     """What ModelServer.__init__ derives from a config file: model.json + engine_args, settings."""
     model_config = _model_config(path)
     if overrides is not None:
@@ -64,9 +65,8 @@ def _engine_args(path: Path, overrides: dict[str, Any] | None = None) -> tuple[E
         current = json.loads(parameters.get("engine_args", {}).get("string_value", "{}") or "{}")
         parameters["engine_args"] = {"string_value": json.dumps({**current, **overrides})}
     model_dir = path.parent if path.parent.name != "configs" else path.parent.parent
-    engine_json = config.apply_config_engine_args(config.load_engine_json(model_dir, "1"), model_config)
-    settings = config.backend_settings(model_config, engine_json)
-    return config.engine_args(engine_json, model_dir, settings), settings
+    settings = read_model_settings(model_dir, "1", model_config)
+    return engine_args_of(settings), settings.backend
 
 
 def _build_config(monkeypatch: pytest.MonkeyPatch, args: EngineArgs, stream_mode: str = "step") -> VllmConfig:
@@ -209,13 +209,13 @@ def test_engine_cpus_leaves_the_users_thread_count_alone_on_cuda_only() -> None:
     VLLM_CPU_OMP_THREADS_BIND), so an OMP_NUM_THREADS of the user's is not a disagreement there; on
     CPU it is a load error naming both. All the CPUs: nothing of this process is moved."""
     from triton_vllm_multistep.engine import cpu_placement
-    from triton_vllm_multistep.stub import config, instance
+    from triton_vllm_multistep.stub import instance
 
     cpus = cpu_placement.allowed_cpus()
     one_instance = {"instance_group": [{"kind": "KIND_MODEL", "count": 1}]}
     user_threads = {"OMP_NUM_THREADS": "64"}
     with simulated_cuda():
         instance.place_engine(cpus, one_instance, user_threads, "llm")
-    with pytest.raises(config.ConfigError, match="but OMP_NUM_THREADS=64"):
+    with pytest.raises(ConfigError, match="but OMP_NUM_THREADS=64"):
         instance.place_engine(cpus, one_instance, user_threads, "llm")
     assert set(cpu_placement.thread_cpus(os.getpid()).values()) == {cpus}

@@ -15,8 +15,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import pytest
 
+from triton_vllm_multistep.engine.engine_args import engine_values, to_engine_args
 from triton_vllm_multistep.engine.factory import EngineBuildError, cpu_multistep_config
-from triton_vllm_multistep.stub import config
+from triton_vllm_multistep.settings import backend
+from triton_vllm_multistep.settings.engine_json import engine_values as filled_engine_values
 
 MULTI_NODE = {
     "model": "demo://tiny-llama-bpe",
@@ -28,7 +30,8 @@ MULTI_NODE = {
 
 
 def _engine_args(engine_json: dict):
-    return config.engine_args(engine_json, Path("."), config.backend_settings({}, engine_json))
+    stream_mode = backend.backend_settings({}, engine_json).stream_mode
+    return to_engine_args(engine_values(filled_engine_values(engine_json, Path("."), stream_mode)))
 
 
 def test_model_json_ray_executor_and_tensor_parallel_reach_engine_args(demo_model_paths: dict) -> None:

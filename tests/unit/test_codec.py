@@ -16,8 +16,8 @@ import pytest
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sequence import Logprob
 
+from triton_vllm_multistep.settings import Limits
 from triton_vllm_multistep.stub import codec
-from triton_vllm_multistep.stub.config import Limits
 
 VOCAB = 100
 MODEL = codec.ModelLimits(vocab_size=VOCAB, max_model_len=64)

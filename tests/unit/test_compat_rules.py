@@ -15,8 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from triton_vllm_multistep.engine import engine_args as vllm_args
 from triton_vllm_multistep.engine.events import KvCacheStats, StepOutputs
-from triton_vllm_multistep.stub import codec, config
+from triton_vllm_multistep.settings import backend, parameters
+from triton_vllm_multistep.stub import codec
 from triton_vllm_multistep.stub.metrics import BackendMetrics, RequestTiming
 from triton_vllm_multistep.stub.responder import RequestState, Responder
 
@@ -36,14 +38,14 @@ def test_their_sample_model_json_loads_and_disable_log_requests_is_ignored_with_
     monkeypatch.setattr(logging.getLogger("triton_vllm_multistep"), "propagate", True)  # the stub's logger
     theirs = {"model": "m", "disable_log_requests": True, "gpu_memory_utilization": 0.5, "enforce_eager": True}
     with caplog.at_level(logging.INFO, logger="triton_vllm_multistep"):
-        values = config.engine_fields(theirs, ENGINE_FIELDS)
+        values = vllm_args.engine_fields(theirs, ENGINE_FIELDS)
     assert values == {"model": "m", "gpu_memory_utilization": 0.5, "enforce_eager": True}
     assert "'disable_log_requests' is ignored" in caplog.text
 
 
 def test_unknown_model_json_fields_still_fail_naming_them() -> None:
-    with pytest.raises(config.ConfigError, match="unknown vLLM engine argument.*disable_log_requestz, tempo"):
-        config.engine_fields({"model": "m", "tempo": 1, "disable_log_requestz": True}, ENGINE_FIELDS)
+    with pytest.raises(parameters.ConfigError, match="unknown vLLM engine argument.*disable_log_requestz, tempo"):
+        vllm_args.engine_fields({"model": "m", "tempo": 1, "disable_log_requestz": True}, ENGINE_FIELDS)
 
 
 # --- config.pbtxt switches ---------------------------------------------------------------------
@@ -64,26 +66,26 @@ def test_unknown_model_json_fields_still_fail_naming_them() -> None:
     ],
 )
 def test_metrics_switches(parameters: dict, engine_json: dict, expected: bool) -> None:
-    assert config.backend_settings(params(**parameters), engine_json).enable_metrics is expected
+    assert backend.backend_settings(params(**parameters), engine_json).enable_metrics is expected
 
 
 def test_disable_log_stats_winning_over_an_explicit_switch_is_logged(caplog, monkeypatch) -> None:
     monkeypatch.setattr(logging.getLogger("triton_vllm_multistep"), "propagate", True)  # the stub's logger
     with caplog.at_level(logging.WARNING, logger="triton_vllm_multistep"):
-        settings = config.backend_settings(params(REPORT_CUSTOM_METRICS="true"), {"disable_log_stats": True})
+        settings = backend.backend_settings(params(REPORT_CUSTOM_METRICS="true"), {"disable_log_stats": True})
     assert not settings.enable_metrics
     assert "'disable_log_stats': true wins over config.pbtxt parameter REPORT_CUSTOM_METRICS=true" in caplog.text
 
 
 def test_the_two_metrics_switches_disagreeing_is_a_load_error_naming_both() -> None:
-    with pytest.raises(config.ConfigError, match="'enable_metrics'='true' and 'REPORT_CUSTOM_METRICS'='false'"):
-        config.backend_settings(params(enable_metrics="true", REPORT_CUSTOM_METRICS="false"), {})
+    with pytest.raises(parameters.ConfigError, match="'enable_metrics'='true' and 'REPORT_CUSTOM_METRICS'='false'"):
+        backend.backend_settings(params(enable_metrics="true", REPORT_CUSTOM_METRICS="false"), {})
 
 
 def test_their_health_check_parameter_is_accepted_and_checked() -> None:
-    assert config.backend_settings(params(ENABLE_VLLM_HEALTH_CHECK="true"), {}).stream_mode == "step"
-    with pytest.raises(config.ConfigError, match="ENABLE_VLLM_HEALTH_CHECK"):
-        config.backend_settings(params(ENABLE_VLLM_HEALTH_CHECK="maybe"), {})
+    assert backend.backend_settings(params(ENABLE_VLLM_HEALTH_CHECK="true"), {}).stream_mode == "step"
+    with pytest.raises(parameters.ConfigError, match="ENABLE_VLLM_HEALTH_CHECK"):
+        backend.backend_settings(params(ENABLE_VLLM_HEALTH_CHECK="maybe"), {})
 
 
 @pytest.mark.parametrize(
@@ -97,12 +99,12 @@ def test_their_health_check_parameter_is_accepted_and_checked() -> None:
     ],
 )
 def test_stream_mode_follows_either_setting_when_they_agree(parameters: dict, engine_json: dict, mode: str) -> None:
-    assert config.backend_settings(params(**parameters), engine_json).stream_mode == mode
+    assert backend.backend_settings(params(**parameters), engine_json).stream_mode == mode
 
 
 def test_stream_mode_and_multi_step_stream_outputs_disagreeing_is_a_load_error_naming_both() -> None:
-    with pytest.raises(config.ConfigError) as raised:
-        config.backend_settings(params(stream_mode="step"), {"multi_step_stream_outputs": False})
+    with pytest.raises(parameters.ConfigError) as raised:
+        backend.backend_settings(params(stream_mode="step"), {"multi_step_stream_outputs": False})
     assert "'stream_mode'='step'" in str(raised.value)
     assert "'multi_step_stream_outputs'=false" in str(raised.value)
 
@@ -117,7 +119,7 @@ def test_stream_mode_and_multi_step_stream_outputs_disagreeing_is_a_load_error_n
     ],
 )
 def test_instance_count(groups: list, gpus: int, expected: int) -> None:
-    assert config.instance_count({"instance_group": groups}, gpus) == expected
+    assert backend.instance_count({"instance_group": groups}, gpus) == expected
 
 
 # --- requests ----------------------------------------------------------------------------------

@@ -14,18 +14,20 @@ from pathlib import Path
 import pytest
 
 from triton_vllm_multistep.demo import models as demo_models
-from triton_vllm_multistep.stub import config
-from triton_vllm_multistep.stub.config import ConfigError, Limits
+from triton_vllm_multistep.settings import backend, parameters
+from triton_vllm_multistep.settings import engine_json as model_json
+from triton_vllm_multistep.settings.backend import Limits
+from triton_vllm_multistep.settings.parameters import ConfigError
 
 
-def settings(parameters: dict[str, str], engine_json: dict | None = None) -> config.BackendSettings:
+def settings(parameters: dict[str, str], engine_json: dict | None = None) -> backend.BackendSettings:
     model_config = {"parameters": {key: {"string_value": value} for key, value in parameters.items()}}
-    return config.backend_settings(model_config, engine_json or {"model": "m"})
+    return backend.backend_settings(model_config, engine_json or {"model": "m"})
 
 
 def test_defaults() -> None:
-    assert config.backend_settings({}, {"model": "m"}) == config.BackendSettings()
-    defaults = config.BackendSettings()
+    assert backend.backend_settings({}, {"model": "m"}) == backend.BackendSettings()
+    defaults = backend.BackendSettings()
     assert defaults.stream_mode == "step" and defaults.enable_metrics and defaults.unload_on_engine_failure
     assert defaults.unload_drain_seconds is None and defaults.limits == Limits()
 
@@ -46,7 +48,7 @@ def test_every_parameter_is_read() -> None:
             "tokenizer_dir": "ignored here",  # other models' parameters are not errors
         }
     )
-    assert read == config.BackendSettings(
+    assert read == backend.BackendSettings(
         stream_mode="window",
         cpu_kvcache_space_gib=3,
         enable_metrics=False,
@@ -100,7 +102,7 @@ def test_engine_cpus_is_a_cpu_list_that_requires_the_engine_process(text: str | 
     ("text", "cpus"), [("last 1", (7,)), (" LAST  2 ", (6, 7)), ("last 4", (0, 2, 6, 7)), ("2-3", (2, 3))]
 )
 def test_engine_cpus_last_n_takes_the_last_cpus_the_server_runs_on(text: str, cpus: tuple[int, ...]) -> None:
-    assert config.engine_cpus_setting({"engine_cpus": text}, allowed=(7, 0, 6, 2)) == cpus
+    assert backend.engine_cpus_setting({"engine_cpus": text}, allowed=(7, 0, 6, 2)) == cpus
 
 
 def test_engine_cpus_last_n_reads_this_process_affinity() -> None:
@@ -151,16 +153,16 @@ def test_a_bad_parameter_is_a_load_error_naming_it(parameters: dict[str, str], m
 
 
 def test_parameter_values_of_a_model_config() -> None:
-    assert config.parameter_values({}) == {}
-    assert config.parameter_values({"parameters": {"a": {"string_value": "1"}, "b": {}}}) == {"a": "1", "b": ""}
+    assert parameters.parameter_values({}) == {}
+    assert parameters.parameter_values({"parameters": {"a": {"string_value": "1"}, "b": {}}}) == {"a": "1", "b": ""}
 
 
 def test_model_json_in_the_version_folder_or_the_model_folder(tmp_path: Path) -> None:
     (tmp_path / "model.json").write_text(json.dumps({"model": "outer"}))
-    assert config.load_engine_json(tmp_path, 1) == {"model": "outer"}
+    assert model_json.load_engine_json(tmp_path, 1) == {"model": "outer"}
     (tmp_path / "1").mkdir()
     (tmp_path / "1" / "model.json").write_text(json.dumps({"model": "inner", "num_scheduler_steps": 4}))
-    assert config.load_engine_json(tmp_path, "1") == {"model": "inner", "num_scheduler_steps": 4}
+    assert model_json.load_engine_json(tmp_path, "1") == {"model": "inner", "num_scheduler_steps": 4}
 
 
 @pytest.mark.parametrize(
@@ -177,16 +179,16 @@ def test_a_bad_model_json_is_a_load_error_naming_the_file(tmp_path: Path, conten
         (tmp_path / "1").mkdir()
         (tmp_path / "1" / "model.json").write_text(content)
     with pytest.raises(ConfigError) as caught:
-        config.load_engine_json(tmp_path, 1)
+        model_json.load_engine_json(tmp_path, 1)
     assert message in str(caught.value) and str(tmp_path) in str(caught.value)
 
 
 def test_model_references_resolve(tmp_path: Path) -> None:
     (tmp_path / "weights").mkdir()
-    assert config.resolve_path("weights", tmp_path) == str((tmp_path / "weights").resolve())
-    assert config.resolve_path("/abs/path", tmp_path) == "/abs/path"
-    assert config.resolve_path("org/some-model", tmp_path) == "org/some-model"  # a Hugging Face id
-    assert config.resolve_path("demo://tiny-llama-bpe", tmp_path) == str(demo_models.build("tiny-llama-bpe"))
+    assert model_json.resolve_path("weights", tmp_path) == str((tmp_path / "weights").resolve())
+    assert model_json.resolve_path("/abs/path", tmp_path) == "/abs/path"
+    assert model_json.resolve_path("org/some-model", tmp_path) == "org/some-model"  # a Hugging Face id
+    assert model_json.resolve_path("demo://tiny-llama-bpe", tmp_path) == str(demo_models.build("tiny-llama-bpe"))
 
 
 @pytest.mark.parametrize(
@@ -203,4 +205,4 @@ def test_model_references_resolve(tmp_path: Path) -> None:
 def test_parallel_size_is_read_from_model_json_before_engine_args(engine_json: dict, expected: int) -> None:
     """The instance's device environment (KIND_GPU: one GPU, refused with TP > 1) is set from this,
     before the engine process starts and before EngineArgs checks the values."""
-    assert config.parallel_size(engine_json) == expected
+    assert model_json.parallel_size(engine_json) == expected

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from triton_vllm_multistep.engine import cpu_placement
+from triton_vllm_multistep.settings import ConfigError
 from triton_vllm_multistep.stub import instance
 
 
@@ -50,6 +51,7 @@ def test_the_probe_moves_nothing_and_allows_cpus_beyond_a_narrowed_affinity() ->
     script = f"""
 import os
 from triton_vllm_multistep.engine import cpu_placement
+from triton_vllm_multistep.settings import ConfigError
 os.sched_setaffinity(0, {{{cpus[0]}}})
 print(cpu_placement.placement_refusal(({cpus[-1]},)), sorted(os.sched_getaffinity(0)))
 """
@@ -96,6 +98,7 @@ def test_pin_process_moves_threads_already_running_and_those_started_later() -> 
     script = f"""
 import json, os, threading
 from triton_vllm_multistep.engine import cpu_placement
+from triton_vllm_multistep.settings import ConfigError
 stop = threading.Event()
 before = threading.Thread(target=stop.wait)
 before.start()
@@ -113,7 +116,7 @@ stop.set()
 
 def test_one_placement_for_several_instances_is_a_load_error_naming_both(monkeypatch) -> None:
     model_config = {"instance_group": [{"kind": "KIND_CPU", "count": 2}]}
-    with pytest.raises(instance.config.ConfigError, match="engine_cpus places one engine, but instance_group runs 2"):
+    with pytest.raises(ConfigError, match="engine_cpus places one engine, but instance_group runs 2"):
         instance.place_engine((0,), model_config, {}, "llm")
 
 
@@ -122,7 +125,7 @@ def test_the_placement_checks_reach_the_load_error(monkeypatch) -> None:
     allowed = cpu_placement.cpu_list_text(cpu_placement.allowed_cpus())
     beyond = 4095  # no CPU this host has
     message = f"model llm: engine_cpus {beyond} names CPUs this server may not run on .*{allowed}"
-    with pytest.raises(instance.config.ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message):
         instance.place_engine((beyond,), model_config, {}, "llm")
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from triton_vllm_multistep.lifecycle import drain, procfs, protocol, server_drain, triton_command
 from triton_vllm_multistep.lifecycle.triton_command import TritonCommand
-from triton_vllm_multistep.stub import config
+from triton_vllm_multistep.settings import backend, parameters
 from triton_vllm_multistep.testing.polling import wait_for
 
 
@@ -81,12 +81,12 @@ def _config(parameters: dict[str, str]) -> dict:
 
 
 def test_unload_drain_seconds_parameter() -> None:
-    assert config.backend_settings(_config({}), {}).unload_drain_seconds is None
-    assert config.backend_settings(_config({"unload_drain_seconds": " 4.5 "}), {}).unload_drain_seconds == 4.5
-    assert config.backend_settings(_config({"unload_drain_seconds": "0"}), {}).unload_drain_seconds == 0.0
+    assert backend.backend_settings(_config({}), {}).unload_drain_seconds is None
+    assert backend.backend_settings(_config({"unload_drain_seconds": " 4.5 "}), {}).unload_drain_seconds == 4.5
+    assert backend.backend_settings(_config({"unload_drain_seconds": "0"}), {}).unload_drain_seconds == 0.0
     for bad in ("-1", "soon", "nan", "inf"):
-        with pytest.raises(config.ConfigError, match="unload_drain_seconds"):
-            config.backend_settings(_config({"unload_drain_seconds": bad}), {})
+        with pytest.raises(parameters.ConfigError, match="unload_drain_seconds"):
+            backend.backend_settings(_config({"unload_drain_seconds": bad}), {})
 
 
 class Readiness:

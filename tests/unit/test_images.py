@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from triton_vllm_multistep.settings import Limits
 from triton_vllm_multistep.stub import codec
-from triton_vllm_multistep.stub.config import Limits
 
 MODEL = codec.ModelLimits(vocab_size=100, max_model_len=64, model_name="demo/llava", images_per_prompt=2)
 

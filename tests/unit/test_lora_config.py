@@ -1,5 +1,5 @@
 """Multi-LoRA as Triton's vLLM backend takes it: `enable_lora`, multi_lora.json in the version folder,
-`lora_name` per request (stub/lora.py, stub/codec.py). Every adapter is checked at load, each bad one a
+`lora_name` per request (settings/lora.py, stub/codec.py). Every adapter is checked at load, each bad one a
 load error naming it; each bad request gets their backend's message.
 """
 
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from triton_vllm_multistep.demo import models as demo_models
-from triton_vllm_multistep.stub import codec, lora
-from triton_vllm_multistep.stub.config import ConfigError
+from triton_vllm_multistep.settings import lora
+from triton_vllm_multistep.settings.parameters import ConfigError
+from triton_vllm_multistep.stub import codec
 from triton_vllm_multistep.testing.lora import MLP, write_adapter
 
 VOCAB = 100

@@ -17,8 +17,8 @@ from vllm.sampling_params import GuidedDecodingParams, RequestOutputKind, Sampli
 
 from triton_vllm_multistep.frontend import errors, server, triton_requests
 from triton_vllm_multistep.host import openai_process
+from triton_vllm_multistep.interface import UNHEALTHY_ENGINE_MESSAGE
 from triton_vllm_multistep.stub import codec
-from triton_vllm_multistep.stub.instance import UNHEALTHY_ENGINE_MESSAGE
 
 
 def _round_trip(params: SamplingParams) -> SamplingParams:

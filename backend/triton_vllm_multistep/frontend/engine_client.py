@@ -24,7 +24,7 @@ from vllm.sampling_params import SamplingParams
 
 from triton_vllm_multistep.frontend import triton_requests
 from triton_vllm_multistep.frontend.errors import EngineUnavailable, is_unavailable
-from triton_vllm_multistep.stub.images import encode_image
+from triton_vllm_multistep.interface import NUM_OUTPUT_TOKENS, encode_image
 
 logger = logging.getLogger("triton_vllm_multistep.frontend")
 
@@ -85,7 +85,7 @@ class TritonEngineClient(EngineClient):
         if not isinstance(prompt, Mapping) or "prompt_token_ids" not in prompt:
             raise triton_requests.UnsupportedRequest("only tokenized prompts reach this server's engine client")
         media = dict(prompt.get("multi_modal_data") or {})
-        images = media.pop("image", [])
+        images = media.pop("image", [])  # vLLM's modality name
         images = images if isinstance(images, list) else [images]
         if media:
             raise triton_requests.UnsupportedRequest(f"{', '.join(sorted(media))} input is not served (images are)")
@@ -137,7 +137,7 @@ class TritonEngineClient(EngineClient):
                 response = result.get_response()
                 final = response.parameters.get("triton_final_response")
                 values = triton_requests.response_values(response)
-                if "num_output_tokens" in values:  # a data response (the empty FINAL has none)
+                if NUM_OUTPUT_TOKENS in values:  # a data response (the empty FINAL has none)
                     yield triton_requests.request_output(request_id, prompt_ids, values, completions)
                 if final is not None and final.bool_param:
                     ended = True

@@ -7,9 +7,11 @@ not loaded are told apart by their words. The app maps EngineUnavailable to 503.
 
 from __future__ import annotations
 
+from triton_vllm_multistep.interface import UNHEALTHY_ENGINE_MESSAGE
+
 # Leading words of the backend's UNAVAILABLE messages and Triton's for models not in service.
 UNAVAILABLE_PREFIXES = (
-    "Model is unavailable due to unhealthy vLLM engine",  # stub/instance.py UNHEALTHY_ENGINE_MESSAGE
+    UNHEALTHY_ENGINE_MESSAGE,  # stub/instance.py: a request while the engine is down
     "vLLM engine failed",  # engine/loop.py: requests in flight when the engine died
     "Request for unknown model",  # Triton: the model is not loaded (unloaded after a failure)
 )

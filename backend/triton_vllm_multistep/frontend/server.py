@@ -2,7 +2,7 @@
 
 Owns the process's life: wait for tritonserver to be READY (over gRPC), build each loaded
 `vllm_multistep` model's ModelConfig, tokenizer and LoRA adapters from its own model.json and
-multi_lora.json (as its stub does), then run vLLM's app under uvicorn until SIGTERM (uvicorn
+multi_lora.json (settings/, as its stub does), then run vLLM's app under uvicorn until SIGTERM (uvicorn
 stops accepting, lets requests in flight finish, then exits). Started by `serve --openai-port`
 (host/launcher.py), or on its own beside any tritonserver: `python -m triton_vllm_multistep.frontend`.
 """
@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from triton_vllm_multistep.settings import Adapter, read_model_settings
 
 BACKEND_NAME = "vllm_multistep"
 # asyncio's own loop, which grpc.aio supports; "uvloop" in this variable runs vllm serve's loop
@@ -112,26 +114,22 @@ def adapter_model_names(adapters: dict[str, list[str]]) -> dict[str, dict[str, s
     return served
 
 
-def model_settings(name: str, version: str, loaded: dict, folder: Path) -> tuple[Any, Any, tuple[Any, ...]]:
+def model_settings(name: str, version: str, loaded: dict, folder: Path) -> tuple[Any, Any, tuple[Adapter, ...]]:
     """(ModelConfig, tokenizer, LoRA adapters) of a model, from its model.json (and the loaded
-    config's engine_args) as its stub reads them."""
+    config's engine_args) as its stub reads them (settings/, engine/engine_args.py)."""
     from vllm.transformers_utils.tokenizer import get_tokenizer
 
-    from triton_vllm_multistep.stub import config, lora
+    from triton_vllm_multistep.engine.engine_args import engine_args_of
 
-    engine_json = lora.normalize_enable_lora(
-        config.apply_config_engine_args(config.load_engine_json(folder, version), loaded)
-    )
-    settings = config.backend_settings(loaded, engine_json)
-    values = config.engine_args_values(engine_json, folder, settings)
-    model_config = config.to_engine_args(values).create_model_config()
+    settings = read_model_settings(folder, version, loaded)
+    model_config = engine_args_of(settings).create_model_config()
     tokenizer = get_tokenizer(
         model_config.tokenizer,
         tokenizer_mode=model_config.tokenizer_mode,
         trust_remote_code=model_config.trust_remote_code,
         revision=model_config.tokenizer_revision,
     )
-    return model_config, tokenizer, lora.model_adapters(folder, version, engine_json, str(values["model"])) or ()
+    return model_config, tokenizer, settings.adapters or ()
 
 
 def served_models(client: Any, models: list[tuple[str, str, dict, Path]]) -> list[Any]:

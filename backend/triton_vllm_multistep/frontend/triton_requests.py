@@ -16,6 +16,24 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.sequence import Logprob
 
+from triton_vllm_multistep.interface import (
+    FINISH_REASON,
+    IMAGE_INPUT,
+    INPUT_IDS,
+    LOGPROBS,
+    LORA_NAME_FIELD,
+    NUM_INPUT_TOKENS,
+    NUM_OUTPUT_TOKENS,
+    OUTPUT_IDS,
+    RETURN_FINISH_REASON,
+    RETURN_LOGPROBS,
+    RETURN_NUM_INPUT_TOKENS,
+    RETURN_NUM_OUTPUT_TOKENS,
+    SAMPLING_PARAMETERS,
+    STREAM,
+    TEXT_OUTPUT,
+)
+
 # SamplingParams fields sent in sampling_parameters when they differ from vLLM's defaults (the
 # backend applies the same defaults). `n`/`best_of` and `guided_decoding` are sent on their own;
 # `truncate_prompt_tokens` is applied by vLLM's serving code before the prompt gets here.
@@ -42,7 +60,7 @@ SENT_FIELDS = (
 )
 _DEFAULTS = SamplingParams()
 # Outputs asked of the model: the backend builds only these (docs/interface.md).
-OUTPUTS = ("text_output", "output_ids", "finish_reason", "num_output_tokens")
+OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, FINISH_REASON, NUM_OUTPUT_TOKENS)
 
 
 class UnsupportedRequest(ValueError):
@@ -79,7 +97,7 @@ def sampling_parameters(params: SamplingParams, lora_name: str | None = None) ->
         guided.pop("disable_fallback", None)  # not a field of vLLM 0.8.5's GuidedDecodingParams
         values["guided_decoding"] = guided
     if lora_name is not None:
-        values["lora_name"] = lora_name
+        values[LORA_NAME_FIELD] = lora_name
     return values
 
 
@@ -90,23 +108,21 @@ def triton_request(
     order): streamed (one response per step) when vLLM asks for deltas, one response otherwise."""
     stream = params.output_kind == RequestOutputKind.DELTA
     inputs = {
-        "input_ids": np.asarray(prompt_token_ids, dtype=np.int32),
-        "stream": np.array([stream], dtype=bool),
-        "sampling_parameters": np.array(
-            [json.dumps(sampling_parameters(params, lora_name)).encode()], dtype=np.object_
-        ),
-        "return_finish_reason": np.array([True], dtype=bool),
-        "return_num_output_tokens": np.array([True], dtype=bool),
+        INPUT_IDS: np.asarray(prompt_token_ids, dtype=np.int32),
+        STREAM: np.array([stream], dtype=bool),
+        SAMPLING_PARAMETERS: np.array([json.dumps(sampling_parameters(params, lora_name)).encode()], dtype=np.object_),
+        RETURN_FINISH_REASON: np.array([True], dtype=bool),
+        RETURN_NUM_OUTPUT_TOKENS: np.array([True], dtype=bool),
     }
     outputs = OUTPUTS
     if images:
-        inputs["image"] = np.array(list(images), dtype=np.object_)
+        inputs[IMAGE_INPUT] = np.array(list(images), dtype=np.object_)
         # The model counts the prompt with its image tokens; vLLM's usage counts it so too.
-        inputs["return_num_input_tokens"] = np.array([True], dtype=bool)
-        outputs = (*outputs, "num_input_tokens")
+        inputs[RETURN_NUM_INPUT_TOKENS] = np.array([True], dtype=bool)
+        outputs = (*outputs, NUM_INPUT_TOKENS)
     if params.logprobs is not None:
-        inputs["return_logprobs"] = np.array([True], dtype=bool)
-        outputs = (*outputs, "logprobs")
+        inputs[RETURN_LOGPROBS] = np.array([True], dtype=bool)
+        outputs = (*outputs, LOGPROBS)
     # The empty FINAL tells the client the stream is over whatever the last data response said.
     return TritonRequest(inputs, outputs, {"triton_enable_empty_final_response": True})
 
@@ -148,13 +164,13 @@ def request_output(
     response's tokens (new ones when streamed, all of them otherwise). An image prompt's ids are
     extended to the count the model reports (`num_input_tokens`, image tokens included): vLLM's
     serving code reads only their number (usage)."""
-    counts = [int(c) for c in arrays["num_output_tokens"]]
+    counts = [int(c) for c in arrays[NUM_OUTPUT_TOKENS]]
     if len(counts) != completions:
         raise RuntimeError(f"the model answered {len(counts)} completion(s), {completions} asked for")
-    ids = [int(t) for t in arrays["output_ids"]]
-    texts = [_text(t) for t in arrays["text_output"]]
-    reasons = [_finish_reason(r) for r in arrays["finish_reason"]]
-    logprobs = [_logprobs(lp) for lp in arrays["logprobs"]] if "logprobs" in arrays else [None] * completions
+    ids = [int(t) for t in arrays[OUTPUT_IDS]]
+    texts = [_text(t) for t in arrays[TEXT_OUTPUT]]
+    reasons = [_finish_reason(r) for r in arrays[FINISH_REASON]]
+    logprobs = [_logprobs(lp) for lp in arrays[LOGPROBS]] if LOGPROBS in arrays else [None] * completions
     outputs = []
     start = 0
     for index, count in enumerate(counts):
@@ -169,8 +185,8 @@ def request_output(
             )
         )
         start += count
-    if arrays.get("num_input_tokens") is not None:
-        counted = int(arrays["num_input_tokens"][0])
+    if arrays.get(NUM_INPUT_TOKENS) is not None:
+        counted = int(arrays[NUM_INPUT_TOKENS][0])
         if counted > len(prompt_token_ids) and prompt_token_ids:
             prompt_token_ids = prompt_token_ids + [prompt_token_ids[-1]] * (counted - len(prompt_token_ids))
     return RequestOutput(

@@ -1,5 +1,5 @@
 """Code that runs in the Triton Python backend stub: the entry point (`model.py`, installed as the
-backend's model.py), instance wiring (`instance`), request codec, config, pb_utils tensors
+backend's model.py), instance wiring (`instance`: settings → engine → response path), request codec, pb_utils tensors
 (`triton_io`), the response thread (`responder`), metrics, detokenization windows, device
 selection and the ensemble's tokenizer stages.
 

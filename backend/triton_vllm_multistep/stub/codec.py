@@ -18,20 +18,18 @@ if TYPE_CHECKING:  # vLLM is imported where used: auto_complete_config's stub ne
     from vllm.outputs import RequestOutput
     from vllm.sampling_params import SamplingParams
 
-from triton_vllm_multistep.stub.config import MAX_STREAM_INTERVAL, Limits
-from triton_vllm_multistep.stub.detokenization import text_window
-from triton_vllm_multistep.stub.images import IMAGE_INPUT, ImageError, decode_images
-from triton_vllm_multistep.stub.lora import LORA_NAME_FIELD, LORA_OFF_MESSAGE, Adapter
-
-RETURN_FLAGS = (
-    "return_finish_reason",
-    "return_cumulative_logprob",
-    "return_logprobs",
-    "return_num_input_tokens",
-    "return_num_output_tokens",
-    "return_detokenization_window",
+from triton_vllm_multistep.interface import (
+    BOOL_INPUTS,
+    IMAGE_INPUT,
+    LORA_NAME_FIELD,
+    LORA_OFF_MESSAGE,
+    RETURN_FLAGS,
 )
-BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
+from triton_vllm_multistep.interface import SAMPLING_PARAMETERS as SAMPLING_TENSOR
+from triton_vllm_multistep.settings.backend import MAX_STREAM_INTERVAL, Limits
+from triton_vllm_multistep.settings.lora import Adapter
+from triton_vllm_multistep.stub.detokenization import text_window
+from triton_vllm_multistep.stub.images import ImageError, decode_images
 
 
 class RequestError(ValueError):
@@ -155,7 +153,6 @@ TRITON_RESERVED_PARAMETERS = frozenset(
     {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers", "stream"}
 )
 MAX_SEED = 2**63 - 1
-SAMPLING_TENSOR = "sampling_parameters"
 REQUEST_PARAMETERS = "parameters"  # how errors name a field that came from the request parameters
 # Leading phrases of Triton's vLLM backend's messages, kept so clients matching on them still do.
 STREAM_WITH_PROMPT_MESSAGE = "When streaming, `exclude_input_in_output` = False is not allowed."

@@ -1,9 +1,10 @@
 """The `image` input: base64-encoded images decoded to RGB and checked against the model's limits.
 
 Owns reading one request's `image` tensor as Triton's vLLM backend (r24.12+) reads it (each element
-a base64-encoded image, opened with PIL and converted to RGB, in order) and refusing what the model
-cannot take; must not run the model's image processor (engine/multimodal.py hands the images to
-vLLM's) and runs on the thread that decodes requests, never the engine's.
+a base64-encoded image, opened with PIL and converted to RGB, in order; the encoding and
+encode_image are interface.py's) and refusing what the model cannot take; must not run the
+model's image processor (engine/multimodal.py hands the images to vLLM's) and runs on the thread
+that decodes requests, never the engine's.
 
 The limits bound what one request can make the server hold: the encoded bytes of each image, its
 pixels (read from the image's header before any pixel is decoded, so a small file that would expand
@@ -22,14 +23,7 @@ from typing import Any
 
 import numpy as np
 
-IMAGE_INPUT = "image"
-
-
-def encode_image(image: Any, image_format: str = "PNG") -> bytes:
-    """A PIL image as an element of the `image` input: its file bytes (PNG: lossless), base64-encoded."""
-    buffer = io.BytesIO()
-    image.save(buffer, format=image_format)
-    return base64.b64encode(buffer.getvalue())
+from triton_vllm_multistep.interface import IMAGE_INPUT
 
 
 class ImageError(ValueError):

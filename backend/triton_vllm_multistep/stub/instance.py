@@ -1,7 +1,8 @@
-"""One model instance: config → engine + engine thread + response thread; Triton's entry points.
+"""One model instance: settings → engine + engine thread + response thread; Triton's entry points.
 
 Owns wiring the pieces together and the Triton-facing lifecycle (auto-complete, initialize,
-execute, finalize); must not parse inputs (codec) or drive the engine (engine/loop.py).
+execute, finalize); must not read settings (settings/), parse inputs (codec) or drive the engine
+(engine/loop.py).
 """
 
 from __future__ import annotations
@@ -17,15 +18,19 @@ from typing import Any
 
 from triton_vllm_multistep.demo.smollm2 import DemoModelError
 from triton_vllm_multistep.engine import cpu_placement, extensions
+from triton_vllm_multistep.engine.engine_args import engine_values, to_engine_args
 from triton_vllm_multistep.engine.events import EngineRunner
 from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec, NoPythonForEngineProcess
+from triton_vllm_multistep.interface import INPUT_NAMES, INPUTS, OUTPUT_NAMES, OUTPUTS, UNHEALTHY_ENGINE_MESSAGE
 from triton_vllm_multistep.lifecycle import drain, protocol, triton_command
-from triton_vllm_multistep.stub import codec, config, lora, triton_io
+from triton_vllm_multistep.settings import Adapter, BackendSettings, ConfigError, ModelSettings, read_model_settings
+from triton_vllm_multistep.settings.backend import engine_stream_mode, instance_count
+from triton_vllm_multistep.stub import codec, triton_io
 from triton_vllm_multistep.stub.detokenization import window_decoder
 from triton_vllm_multistep.stub.device import gpu_count, instance_device_environment
 
 # Load errors caused by settings or set-up, not by a bug: their message is all a user needs.
-SETTINGS_ERRORS = (config.ConfigError, DemoModelError)
+SETTINGS_ERRORS = (ConfigError, DemoModelError)
 logger = logging.getLogger("triton_vllm_multistep")
 if not logger.handlers:  # the stub's stderr is Triton's log; say who is speaking
     _handler = logging.StreamHandler()
@@ -34,52 +39,24 @@ if not logger.handlers:  # the stub's stderr is Triton's log; say who is speakin
     logger.setLevel(logging.INFO)
     logger.propagate = False
 
-# (name, Triton type, dims, optional) for auto_complete_config; mirrors Triton's vLLM backend.
-INPUTS = [
-    ("text_input", "TYPE_STRING", [1], True),
-    ("input_ids", "TYPE_INT32", [-1], True),
-    ("stream", "TYPE_BOOL", [1], True),
-    ("sampling_parameters", "TYPE_STRING", [1], True),
-    ("exclude_input_in_output", "TYPE_BOOL", [1], True),
-    *((name, "TYPE_BOOL", [1], True) for name in codec.RETURN_FLAGS),
-    # Declared as Triton's vLLM backend does (base64 images) so its clients' configs load; refused per request.
-    (codec.IMAGE_INPUT, "TYPE_STRING", [-1], True),
-]
-# Triton's vLLM backend's words for a request refused by a failed engine, kept as the leading phrase.
-UNHEALTHY_ENGINE_MESSAGE = "Model is unavailable due to unhealthy vLLM engine"
-OUTPUTS = [
-    ("text_output", "TYPE_STRING", [-1]),
-    ("output_ids", "TYPE_INT32", [-1]),
-    ("finish_reason", "TYPE_STRING", [-1]),
-    ("cumulative_logprob", "TYPE_FP32", [-1]),
-    ("logprobs", "TYPE_STRING", [-1]),
-    ("num_input_tokens", "TYPE_UINT32", [1]),
-    ("num_output_tokens", "TYPE_UINT32", [-1]),
-    # For a stateless postprocessing model: ids to replay, and (context, start, end) in them.
-    ("window_ids", "TYPE_INT32", [-1]),
-    ("window_offsets", "TYPE_INT32", [3]),
-]
-INPUT_NAMES = [name for name, *_ in INPUTS]
-OUTPUT_NAMES = [name for name, *_ in OUTPUTS]
-
 
 def auto_complete(auto_config: Any) -> Any:
     """Fill in what config.pbtxt leaves out: decoupled policy, no batching, the tensors."""
     current = auto_config.as_dict()
     have_inputs = {i["name"] for i in current.get("input", [])}
     have_outputs = {o["name"] for o in current.get("output", [])}
-    for name, dtype, dims, optional in INPUTS:
-        if name not in have_inputs:
-            auto_config.add_input({"name": name, "data_type": dtype, "dims": dims, "optional": optional})
-    for name, dtype, dims in OUTPUTS:
-        if name not in have_outputs:
-            auto_config.add_output({"name": name, "data_type": dtype, "dims": dims})
+    for tensor in INPUTS:
+        if tensor.name not in have_inputs:
+            auto_config.add_input(tensor.input_config())
+    for tensor in OUTPUTS:
+        if tensor.name not in have_outputs:
+            auto_config.add_output(tensor.output_config())
     auto_config.set_max_batch_size(0)
     auto_config.set_model_transaction_policy({"decoupled": True})
     return auto_config
 
 
-def launch_engine_process(settings: config.BackendSettings, model_name: str) -> EngineProcess | None:
+def launch_engine_process(settings: BackendSettings, model_name: str) -> EngineProcess | None:
     """Start the model's engine process now, if config.pbtxt `engine_process` asks (the default), so
     that it imports vLLM while the stub does; None: the engine runs in the stub.
 
@@ -95,7 +72,7 @@ def launch_engine_process(settings: config.BackendSettings, model_name: str) -> 
     except NoPythonForEngineProcess as error:
         if settings.engine_process_required:
             asked = "engine_cpus is set" if settings.engine_cpus else "engine_process is true"
-            raise config.ConfigError(f"model {model_name}: {asked} but {error}") from None
+            raise ConfigError(f"model {model_name}: {asked} but {error}") from None
         logger.warning(
             "vllm_multistep: model %s: the engine runs in the stub (engine_process auto): %s", model_name, error
         )
@@ -104,19 +81,19 @@ def launch_engine_process(settings: config.BackendSettings, model_name: str) -> 
 
 
 def start_engine_runner(
-    settings: config.BackendSettings,
+    settings: BackendSettings,
     engine_values: dict[str, Any],
     engine_args: Any,
     user_threads: dict[str, str | None],
     process: EngineProcess | None,
-    adapters: tuple[lora.Adapter, ...] = (),
+    adapters: tuple[Adapter, ...] = (),
 ) -> EngineRunner:
     """Build the model's engine in `process` (launched by launch_engine_process) or, without one, in
     a thread of the stub, with its LoRA `adapters` loaded once; returns its runner, built. Raises
     what the build raised (EngineBuildError for settings this backend refuses, or a bad adapter)."""
     from triton_vllm_multistep.engine.loop import serving_loop
 
-    engine_mode = config.engine_stream_mode(settings.stream_mode)
+    engine_mode = engine_stream_mode(settings.stream_mode)
     plain_adapters = tuple((a.name, a.lora_int_id, a.path) for a in adapters)
     if process is not None:
         process.spec = EngineSpec(
@@ -140,9 +117,9 @@ def place_engine(
     """config.pbtxt `engine_cpus`: check it against the host and the user's thread settings (a load
     error naming both when they disagree), then move the stub's threads off the engine's CPUs (the
     engine process has moved onto them itself)."""
-    instances = config.instance_count(model_config, gpu_count())
+    instances = instance_count(model_config, gpu_count())
     if instances > 1:
-        raise config.ConfigError(
+        raise ConfigError(
             f"model {model_name}: engine_cpus places one engine, but instance_group runs {instances} instances "
             "of this model (each would put its engine on the same CPUs): use one instance, or leave engine_cpus out"
         )
@@ -151,7 +128,7 @@ def place_engine(
     try:
         cpu_placement.check_engine_cpus(cpus, user_threads, threads_bound=current_platform.is_cpu())
     except cpu_placement.CpuListError as error:
-        raise config.ConfigError(f"model {model_name}: {error}") from None
+        raise ConfigError(f"model {model_name}: {error}") from None
     others = tuple(cpu for cpu in cpu_placement.allowed_cpus() if cpu not in cpus)
     if others:
         cpu_placement.pin_process(others)
@@ -163,149 +140,185 @@ def place_engine(
         )
 
 
+def _switch_ipex(settings: BackendSettings) -> None:
+    """config.pbtxt `use_ipex` false: IPEX made unimportable before the first torch or vLLM import."""
+    if not settings.use_ipex:
+        from triton_vllm_multistep.engine.ipex_switch import turn_ipex_off
+
+        turn_ipex_off()
+
+
 class ModelServer:
     """Everything one Triton model instance runs."""
 
     def __init__(self, pb_utils: Any, args: dict[str, str]) -> None:
-        model_config = json.loads(args["model_config"])
-        model_dir = Path(args["model_repository"])
-        version = str(args.get("model_version", "1"))
-        engine_json = lora.normalize_enable_lora(
-            config.apply_config_engine_args(config.load_engine_json(model_dir, version), model_config)
-        )
-        if not config.use_ipex_setting(model_config, engine_json):
-            from triton_vllm_multistep.engine.ipex_switch import turn_ipex_off
-
-            turn_ipex_off()  # before the first vLLM import below
         self._pb = pb_utils
         # The one thread that calls into Triton: this one until the response thread starts, then it.
         self.caller = triton_io.TritonCaller()
+        self.model_settings = self._read_settings(args)
+        engine_args = self._start_engine(args)
+        self._wire_response_path(args, engine_args)
+        self._log_ready()
+
+    def _read_settings(self, args: dict[str, str]) -> ModelSettings:
+        """Phase 1: the model's settings (settings/; IPEX turned off before a demo:// model's build
+        imports torch), then what the stub itself needs of the config."""
+        model_config = json.loads(args["model_config"])
+        model = read_model_settings(
+            Path(args["model_repository"]),
+            str(args.get("model_version", "1")),
+            model_config,
+            before_model_files=_switch_ipex,
+        )
         self.model_name = args.get("model_name") or model_config["name"]
         self._backend_name = model_config.get("backend") or "vllm_multistep"
         # Names the model in this stub and the engine process it starts (tools, extension modules).
         os.environ[extensions.MODEL_NAME_ENV] = self.model_name
         extensions.install_from_environment()  # test-only fault hooks, when the environment names them
-        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
-            raise config.ConfigError("model_transaction_policy { decoupled: true } is required: this backend streams")
-        self.settings = config.backend_settings(model_config, engine_json)
+        if not self._pb.using_decoupled_model_transaction_policy(model_config):
+            raise ConfigError("model_transaction_policy { decoupled: true } is required: this backend streams")
+        self.settings = model.backend
+        self.adapters = model.adapters
+        return model
+
+    def _start_engine(self, args: dict[str, str]) -> Any:
+        """Phase 2: the engine built and its runner started (in a process of its own unless settings
+        say otherwise); returns the EngineArgs, which the stub's tokenizers follow."""
+        model, settings = self.model_settings, self.settings
         # The environment the engine runs with, set before the engine process starts (it inherits it).
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.settings.cpu_kvcache_space_gib))
-        os.environ.update(
-            instance_device_environment(
-                args.get("model_instance_kind", "CPU"),
-                int(args.get("model_instance_device_id", 0)),
-                config.parallel_size(engine_json),
-            )
-        )
-        engine_process = launch_engine_process(self.settings, self.model_name)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_space_gib))
+        kind, device_id = args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0))
+        os.environ.update(instance_device_environment(kind, device_id, model.parallel_size))
+        engine_process = launch_engine_process(settings, self.model_name)
         try:
             from triton_vllm_multistep.engine.factory import EngineBuildError, thread_choice_of_user
 
-            engine_values = config.engine_args_values(engine_json, model_dir, self.settings)
-            engine_args = config.to_engine_args(engine_values)
-            self.adapters = lora.model_adapters(model_dir, version, engine_json, str(engine_values["model"]))
+            values = engine_values(model.engine_args)  # checked against vLLM's fields (imports vLLM)
+            built_args = to_engine_args(values)
             # The stub is a child of tritonserver: its command line says how it runs.
             self._server_command = triton_command.of_process(os.getppid())
             user_threads = thread_choice_of_user()  # before the build: vLLM sets OMP_NUM_THREADS during it
-            if self.settings.engine_cpus:
-                place_engine(self.settings.engine_cpus, model_config, user_threads, self.model_name)
+            if settings.engine_cpus:
+                place_engine(settings.engine_cpus, dict(model.model_config), user_threads, self.model_name)
             try:
                 self.loop: EngineRunner = start_engine_runner(
-                    self.settings, engine_values, engine_args, user_threads, engine_process, self.adapters or ()
+                    settings, values, built_args, user_threads, engine_process, self.adapters or ()
                 )
             except EngineBuildError as error:
                 # Settings this backend refuses: a load error naming them, not a trace into the engine.
-                raise config.ConfigError(f"model {self.model_name}: {error}") from None
+                raise ConfigError(f"model {self.model_name}: {error}") from None
         except BaseException:
             if engine_process is not None:
                 engine_process.stop()  # started early, never used (a refused setting, a failed build)
             raise
-        from triton_vllm_multistep.stub.responder import Responder
-
         self.engine_in_process = engine_process is not None
-        facts = self.loop.facts
+        return built_args
+
+    def _wire_response_path(self, args: dict[str, str], engine_args: Any) -> None:
+        """Phase 3: what execute() needs, the metrics, the response thread and the drain watcher; then
+        the engine starts serving. A failure here shuts the engine down."""
         try:
-            self._tokenizer = self._load_tokenizer(engine_args)
-            tokenizer_vocab = getattr(self._tokenizer, "max_token_id", len(self._tokenizer) - 1) + 1
-            self.limits = codec.ModelLimits(
-                vocab_size=min(facts.vocab_size, tokenizer_vocab),
-                max_model_len=facts.max_model_len,
-                limits=self.settings.limits,
-                model_name=facts.model,
-                images_per_prompt=facts.images_per_prompt,
-                adapters=self.adapters,
-            )
-            from vllm.lora.request import LoRARequest
-
-            # What each request with a lora_name carries into the engine (vLLM caches adapters by id).
-            self._lora_requests = {a.name: LoRARequest(a.name, a.lora_int_id, a.path) for a in self.adapters or ()}
-            self.metrics = None
-            if self.settings.enable_metrics:
-                from triton_vllm_multistep.stub.metrics import BackendMetrics
-
-                self.metrics = BackendMetrics(
-                    pb_utils,
-                    model_config["name"],
-                    str(args.get("model_version", "1")),
-                    facts.max_model_len,
-                    instances=config.instance_count(model_config, gpu_count()),
-                    caller=self.caller,
-                    max_loras=facts.max_loras,
-                )
-            self.heartbeat = self._start_heartbeat(args)
-            from triton_vllm_multistep.stub.restarts import RestartCount
-
-            self.restart_count = self._instance_series(RestartCount, args)
-            self.responder = Responder(
-                pb_utils,
-                abort=lambda rid: self.loop.abort(rid),
-                observer=self.metrics,
-                stream_interval=self.settings.stream_interval,
-                merge_when_behind=self.settings.stream_mode == "merge",
-                caller=self.caller,
-            )
-            self.responder.window_decode = window_decoder(self._load_tokenizer(engine_args))
-            self.responder.after_engine_death = self._after_engine_death_answered
-            if self.heartbeat is not None:
-                self.responder.heartbeat = self.heartbeat.beat
-            if self.metrics is not None:
-                self.metrics.response_queue_depth = self.responder.queued_steps
-            # Everything built so far (torch, vLLM, the model: ~10^6 objects) lives as long as the
-            # model; without this, every full collection walks all of it (~250 ms with all threads
-            # stopped) while serving. Frozen objects are never collected, so collect once first.
-            gc.collect()
-            gc.freeze()
-            self.responder.start()
-            self.loop.serve(
-                sink=self.responder.post,
-                on_state=self.metrics.update_engine_state if self.metrics else None,
-                time_steps=self.metrics is not None,
-            )
-            self.drain = drain.unload_drain_for(
-                self.model_name,
-                str(args.get("model_version", "1")),
-                self._server_command,
-                self.settings.unload_drain_seconds,
-                in_flight=self.responder.in_flight,
-                close_intake=self.responder.close_intake,
-                end_all=self.responder.end_all,
-            )
-            self.drain.start()
+            self._prepare_requests(engine_args)
+            self._start_observers(args)
+            self._start_responder(engine_args)
         except BaseException:
             self.loop.shutdown()
             raise
+
+    def _prepare_requests(self, engine_args: Any) -> None:
+        """execute()'s tokenizer, the model's request limits and each adapter's request."""
+        facts = self.loop.facts
+        self._tokenizer = self._load_tokenizer(engine_args)
+        tokenizer_vocab = getattr(self._tokenizer, "max_token_id", len(self._tokenizer) - 1) + 1
+        self.limits = codec.ModelLimits(
+            vocab_size=min(facts.vocab_size, tokenizer_vocab),
+            max_model_len=facts.max_model_len,
+            limits=self.settings.limits,
+            model_name=facts.model,
+            images_per_prompt=facts.images_per_prompt,
+            adapters=self.adapters,
+        )
+        from vllm.lora.request import LoRARequest
+
+        # What each request with a lora_name carries into the engine (vLLM caches adapters by id).
+        self._lora_requests = {a.name: LoRARequest(a.name, a.lora_int_id, a.path) for a in self.adapters or ()}
+
+    def _start_observers(self, args: dict[str, str]) -> None:
+        """The model's metrics (when on), the instance's heartbeat and restart count."""
+        self.metrics = None
+        if self.settings.enable_metrics:
+            from triton_vllm_multistep.stub.metrics import BackendMetrics
+
+            self.metrics = BackendMetrics(
+                self._pb,
+                self.model_settings.name,
+                self.model_settings.version,
+                self.loop.facts.max_model_len,
+                instances=self.model_settings.instance_count(gpu_count()),
+                caller=self.caller,
+                max_loras=self.loop.facts.max_loras,
+            )
+        self.heartbeat = self._start_heartbeat(args)
+        from triton_vllm_multistep.stub.restarts import RestartCount
+
+        self.restart_count = self._instance_series(RestartCount, args)
+
+    def _start_responder(self, engine_args: Any) -> None:
+        """The response thread, the engine serving into it, and the drain watcher."""
+        from triton_vllm_multistep.stub.responder import Responder
+
+        self.responder = Responder(
+            self._pb,
+            abort=lambda rid: self.loop.abort(rid),
+            observer=self.metrics,
+            stream_interval=self.settings.stream_interval,
+            merge_when_behind=self.settings.stream_mode == "merge",
+            caller=self.caller,
+        )
+        self.responder.window_decode = window_decoder(self._load_tokenizer(engine_args))
+        self.responder.after_engine_death = self._after_engine_death_answered
+        if self.heartbeat is not None:
+            self.responder.heartbeat = self.heartbeat.beat
+        if self.metrics is not None:
+            self.metrics.response_queue_depth = self.responder.queued_steps
+        # Everything built so far (torch, vLLM, the model: ~10^6 objects) lives as long as the
+        # model; without this, every full collection walks all of it (~250 ms with all threads
+        # stopped) while serving. Frozen objects are never collected, so collect once first.
+        gc.collect()
+        gc.freeze()
+        self.responder.start()
+        self.loop.serve(
+            sink=self.responder.post,
+            on_state=self.metrics.update_engine_state if self.metrics else None,
+            time_steps=self.metrics is not None,
+        )
+        self.drain = drain.unload_drain_for(
+            self.model_name,
+            self.model_settings.version,
+            self._server_command,
+            self.settings.unload_drain_seconds,
+            in_flight=self.responder.in_flight,
+            close_intake=self.responder.close_intake,
+            end_all=self.responder.end_all,
+        )
+        self.drain.start()
+
+    def _log_ready(self) -> None:
+        facts = self.loop.facts
+        streaming = {
+            "step": "step",
+            "window": "scheduling window",
+            "merge": "step, several steps per response once sending would slow the engine",
+        }[self.settings.stream_mode]
+        if self.settings.stream_interval > 1:
+            streaming += f", every {self.settings.stream_interval} engine outputs"
         logger.info(
             "vllm_multistep: model %s (%s) ready: num_scheduler_steps=%d, streaming per %s, torch threads %s, "
             "engine %s, attention kernels %s, drains for up to %.1f s on unload",
             self.model_name,
             facts.model,
             facts.num_scheduler_steps,
-            {
-                "step": "step",
-                "window": "scheduling window",
-                "merge": "step, several steps per response once sending would slow the engine",
-            }[self.settings.stream_mode]
-            + (f", every {self.settings.stream_interval} engine outputs" if self.settings.stream_interval > 1 else ""),
+            streaming,
             self.loop.torch_threads,
             ("in a process of its own" if self.engine_in_process else "in the stub") + self._placement_text(),
             facts.attention_kernels,

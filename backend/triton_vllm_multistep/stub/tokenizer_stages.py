@@ -14,6 +14,20 @@ from typing import Any
 import numpy as np
 
 from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.interface import (
+    BAD_WORDS,
+    INPUT_IDS,
+    MESSAGES,
+    RETURN_DETOKENIZATION_WINDOW,
+    SAMPLING_PARAMETERS,
+    SCALAR_FIELDS,
+    STOP_WORDS,
+    TEXT_INPUT,
+    TEXT_OUTPUT,
+    WINDOW_IDS,
+    WINDOW_OFFSETS,
+)
+from triton_vllm_multistep.settings.parameters import parameter_values
 from triton_vllm_multistep.stub import stall_guard, triton_io
 from triton_vllm_multistep.stub.codec import (
     RequestError,
@@ -22,22 +36,7 @@ from triton_vllm_multistep.stub.codec import (
     string_input,
     string_value,
 )
-from triton_vllm_multistep.stub.config import parameter_values
 from triton_vllm_multistep.stub.detokenization import slice_window, window_decoder
-
-# Scalar ensemble inputs that map onto one vLLM sampling field (TensorRT-LLM name → vLLM name).
-SCALAR_FIELDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
-    "max_tokens": ("max_tokens", int),
-    "temperature": ("temperature", float),
-    "top_k": ("top_k", int),
-    "top_p": ("top_p", float),
-    "random_seed": ("seed", int),
-    "repetition_penalty": ("repetition_penalty", float),
-    "presence_penalty": ("presence_penalty", float),
-    "frequency_penalty": ("frequency_penalty", float),
-    "min_length": ("min_tokens", int),
-}
-
 
 DEFAULT_TOKENIZER = "demo://tiny-llama-bpe"
 
@@ -59,31 +58,31 @@ class Preprocessor:
         self.tokenizer = tokenizer
 
     def prompt_ids(self, inputs: Mapping[str, np.ndarray]) -> list[int]:
-        if "messages" in inputs:
+        if MESSAGES in inputs:
             try:
-                messages = json.loads(string_input("messages", inputs["messages"]))
+                messages = json.loads(string_input(MESSAGES, inputs[MESSAGES]))
             except json.JSONDecodeError as error:
-                raise RequestError(f"input 'messages' is not valid JSON: {error.msg}") from None
+                raise RequestError(f"input '{MESSAGES}' is not valid JSON: {error.msg}") from None
             if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages
             ):
-                raise RequestError('input \'messages\' must be a JSON list of {"role": ..., "content": ...}')
+                raise RequestError(f'input \'{MESSAGES}\' must be a JSON list of {{"role": ..., "content": ...}}')
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             # The template writes the BOS itself; don't add a second one.
             return self.tokenizer.encode(text, add_special_tokens=False)
-        if "text_input" not in inputs:
-            raise RequestError("input 'text_input' is required (or 'messages' for a chat)")
-        text = string_input("text_input", inputs["text_input"])
+        if TEXT_INPUT not in inputs:
+            raise RequestError(f"input '{TEXT_INPUT}' is required (or '{MESSAGES}' for a chat)")
+        text = string_input(TEXT_INPUT, inputs[TEXT_INPUT])
         if not text:
-            raise RequestError("input 'text_input' is empty")
+            raise RequestError(f"input '{TEXT_INPUT}' is empty")
         return self.tokenizer.encode(text)
 
     def sampling_parameters(self, inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
         fields: dict[str, Any] = {}
-        if "sampling_parameters" in inputs:
-            text = string_input("sampling_parameters", inputs["sampling_parameters"])
-            fields = parse_sampling_fields(text, "input 'sampling_parameters'")
+        if SAMPLING_PARAMETERS in inputs:
+            text = string_input(SAMPLING_PARAMETERS, inputs[SAMPLING_PARAMETERS])
+            fields = parse_sampling_fields(text, f"input '{SAMPLING_PARAMETERS}'")
         for name, (field_name, kind) in SCALAR_FIELDS.items():
             if name in inputs:
                 values = inputs[name].reshape(-1)
@@ -93,20 +92,20 @@ class Preprocessor:
         max_tokens = fields.get("max_tokens")
         if isinstance(max_tokens, int):
             check_max_tokens(max_tokens, "input 'max_tokens'")
-        if "stop_words" in inputs:
-            fields["stop"] = [*_listify(fields.get("stop")), *_word_list("stop_words", inputs["stop_words"])]
-        if "bad_words" in inputs:
-            fields["bad_words"] = [*_listify(fields.get("bad_words")), *_word_list("bad_words", inputs["bad_words"])]
+        if STOP_WORDS in inputs:
+            fields["stop"] = [*_listify(fields.get("stop")), *_word_list(STOP_WORDS, inputs[STOP_WORDS])]
+        if BAD_WORDS in inputs:  # vLLM's sampling field of the same name
+            fields["bad_words"] = [*_listify(fields.get("bad_words")), *_word_list(BAD_WORDS, inputs[BAD_WORDS])]
         return fields
 
     def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         ids = self.prompt_ids(inputs)
         fields = self.sampling_parameters(inputs)
         return {
-            "input_ids": np.array([ids], dtype=np.int32),
-            "sampling_parameters": np.array([[json.dumps(fields).encode()]], dtype=np.object_),
+            INPUT_IDS: np.array([ids], dtype=np.int32),
+            SAMPLING_PARAMETERS: np.array([[json.dumps(fields).encode()]], dtype=np.object_),
             # The LLM model sends text windows only when asked; the ensemble always asks.
-            "return_detokenization_window": np.array([[True]]),
+            RETURN_DETOKENIZATION_WINDOW: np.array([[True]]),
         }
 
 
@@ -123,11 +122,11 @@ class Postprocessor:
         self.decode = window_decoder(tokenizer)
 
     def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if "window_ids" not in inputs or "window_offsets" not in inputs:
-            raise RequestError("inputs 'window_ids' and 'window_offsets' are required")
-        ids = [int(t) for t in inputs["window_ids"].reshape(-1)]
-        text = slice_window(ids, inputs["window_offsets"].reshape(-1), self.decode)
-        return {"text_output": np.array([[text.encode("utf-8")]], dtype=np.object_)}
+        if WINDOW_IDS not in inputs or WINDOW_OFFSETS not in inputs:
+            raise RequestError(f"inputs '{WINDOW_IDS}' and '{WINDOW_OFFSETS}' are required")
+        ids = [int(t) for t in inputs[WINDOW_IDS].reshape(-1)]
+        text = slice_window(ids, inputs[WINDOW_OFFSETS].reshape(-1), self.decode)
+        return {TEXT_OUTPUT: np.array([[text.encode("utf-8")]], dtype=np.object_)}
 
 
 def run_batch(

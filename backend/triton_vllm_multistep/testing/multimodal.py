@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from triton_vllm_multistep.stub.images import encode_image  # noqa: F401  (the tests' encoder: the product's)
+from triton_vllm_multistep.interface import encode_image  # noqa: F401  (the tests' encoder: the product's)
 
 IMAGE_PROMPT = "user: <image>\nWhat is in the image?\nassistant:"
 TWO_IMAGE_PROMPT = "user: <image> and <image>\nCompare them.\nassistant:"
