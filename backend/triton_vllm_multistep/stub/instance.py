@@ -235,10 +235,6 @@ class ModelServer:
                 images_per_prompt=facts.images_per_prompt,
                 adapters=self.adapters,
             )
-            from vllm.lora.request import LoRARequest
-
-            # What each request with a lora_name carries into the engine (vLLM caches adapters by id).
-            self._lora_requests = {a.name: LoRARequest(a.name, a.lora_int_id, a.path) for a in self.adapters or ()}
             self.metrics = None
             if self.settings.enable_metrics:
                 from triton_vllm_multistep.stub.metrics import BackendMetrics
@@ -363,6 +359,7 @@ class ModelServer:
                     self.limits,
                     encode=self._tokenizer.encode,
                     decode=self._tokenizer.decode,
+                    outputs=triton_io.requested_outputs(request, OUTPUT_NAMES),
                 )
             except codec.RequestError as error:
                 self.responder.refuse(sender, str(error), self._pb.TritonError.INVALID_ARG)
@@ -371,7 +368,6 @@ class ModelServer:
                 logger.exception("unexpected error decoding a request")
                 self.responder.refuse(sender, f"invalid request: {error}", self._pb.TritonError.INVALID_ARG)
                 continue
-            generation.outputs = triton_io.requested_outputs(request, OUTPUT_NAMES)
             request_id = request.request_id() or ""
             engine_id = f"{request_id}-{uuid.uuid4().hex}" if request_id else uuid.uuid4().hex
             timing = None
@@ -388,10 +384,8 @@ class ModelServer:
             if not self.responder.register(engine_id, RequestState(sender=sender, request=generation, timing=timing)):
                 self._refuse(sender)  # draining began since the check above
                 continue
-            lora_request = self._lora_requests[generation.adapter.name] if generation.adapter else None
-            self.loop.submit(
-                engine_id, generation.prompt_token_ids, generation.sampling_params, lora_request, generation.images
-            )
+            # Plain values only (the adapter as (name, lora_int_id, path)): the engine builds vLLM's objects.
+            self.loop.submit(codec.engine_request(generation, engine_id))
             if not self.loop.healthy:
                 # The engine died between the check above and the submit: nobody else will
                 # answer this request (fail() is a no-op if the death handling already did).
