@@ -313,7 +313,9 @@ def test_response_arrays_hold_one_element_per_completion() -> None:
         )
     )
     completions = [
-        Completion(0, " world", [7, 8], -1.5, [{7: TokenLogprob(-0.5, 1, "a")}, {8: TokenLogprob(-1.0, 2, "b")}], "length"),
+        Completion(
+            0, " world", [7, 8], -1.5, [{7: TokenLogprob(-0.5, 1, "a")}, {8: TokenLogprob(-1.0, 2, "b")}], "length"
+        ),
         Completion(1, "!", [9], None, None, None),
     ]
     arrays = codec.encode_response(_output(completions, finished=True), generation, first=True)
