@@ -21,10 +21,10 @@ from triton_vllm_multistep.testing.polling import wait_for
 
 
 def measure(backend: str, model: str, fields: int) -> tuple[float, float, float]:
-    from vllm import EngineArgs, SamplingParams
-    from vllm.sampling_params import GuidedDecodingParams, RequestOutputKind
+    from vllm import EngineArgs
 
     from triton_vllm_multistep.demo import models
+    from triton_vllm_multistep.engine.events import EngineRequest
     from triton_vllm_multistep.engine.factory import build_engine
     from triton_vllm_multistep.engine.loop import EngineLoop, StepOutputs
 
@@ -41,8 +41,9 @@ def measure(backend: str, model: str, fields: int) -> tuple[float, float, float]
                 (times if output.request_id == "plain" else constrained).append(now)
 
     loop.serve(sink)
-    delta = RequestOutputKind.DELTA
-    loop.submit("plain", [1, 2, 3], SamplingParams(max_tokens=1900, ignore_eos=True, temperature=0, output_kind=delta))
+    delta = "DELTA"
+    plain = {"max_tokens": 1900, "ignore_eos": True, "temperature": 0, "output_kind": delta}
+    loop.submit(EngineRequest("plain", (1, 2, 3), plain))
     wait_for(lambda: len(times) >= 30, 300, interval=0.05)  # the stream runs steadily (a loaded host starts slowly)
     schema = {
         "type": "object",
@@ -50,8 +51,8 @@ def measure(backend: str, model: str, fields: int) -> tuple[float, float, float]
         "required": [f"f{i}" for i in range(fields)],
     }
     submitted = time.perf_counter()
-    guided = GuidedDecodingParams(json=schema, backend=backend)
-    loop.submit("g", [1, 5, 9], SamplingParams(max_tokens=8, guided_decoding=guided, output_kind=delta))
+    guided = {"json": schema, "backend": backend}
+    loop.submit(EngineRequest("g", (1, 5, 9), {"max_tokens": 8, "guided_decoding": guided, "output_kind": delta}))
     wait_for(lambda: bool(constrained), 300, interval=0.05)
     built = constrained[0] - submitted
     count = len(times)

@@ -146,8 +146,8 @@ def install_probes(probe: Probe) -> type:
     note each constrained request's admission; returns the EngineLoop subclass that notes it."""
     from vllm.model_executor.layers import logits_processor
 
-    from triton_vllm_multistep.engine import constraints
-    from triton_vllm_multistep.engine.loop import EngineLoop
+    from triton_vllm_multistep.engine import admission, constraints
+    from triton_vllm_multistep.engine import loop as engine_loop
 
     class TimedGuard(constraints.ConstraintGuard):
         def __call__(self, *args: Any) -> Any:
@@ -171,12 +171,13 @@ def install_probes(probe: Probe) -> type:
 
     logits_processor._apply_logits_processors = timed_pass
 
-    class AdmissionNotingLoop(EngineLoop):
+    class AdmissionNoting(admission.Admissions):
         def _constraint_built(self, request_id: str, params: Any) -> None:
             probe.admitted[request_id] = time.perf_counter()
             super()._constraint_built(request_id, params)
 
-    return AdmissionNotingLoop
+    engine_loop.Admissions = AdmissionNoting  # looked up by name when an EngineLoop is made
+    return engine_loop.EngineLoop
 
 
 def steady_tpot(
@@ -200,10 +201,10 @@ def steady_tpot(
 def child_main(steps: int, model: str, backend: str, max_model_len: int, torch_threads: int | None) -> None:
     os.environ["VLLM_USE_V1"] = "0"
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = KV_CACHE_GIB
-    from vllm import EngineArgs, SamplingParams
-    from vllm.sampling_params import GuidedDecodingParams, RequestOutputKind
+    from vllm import EngineArgs
 
     from triton_vllm_multistep.demo import models
+    from triton_vllm_multistep.engine.events import EngineRequest
     from triton_vllm_multistep.engine.factory import build_engine, serving_torch_threads, thread_choice_of_user
     from triton_vllm_multistep.engine.loop import model_parameters
 
@@ -249,15 +250,10 @@ def child_main(steps: int, model: str, backend: str, max_model_len: int, torch_t
             return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         return tokenizer.encode(text)
 
-    def params(max_tokens: int, schema: dict[str, Any] | None) -> SamplingParams:
-        guided = GuidedDecodingParams(json=schema, backend=backend) if schema is not None else None
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=0.0,
-            ignore_eos=True,
-            guided_decoding=guided,
-            output_kind=RequestOutputKind.DELTA,
-        )
+    def params(max_tokens: int, schema: dict[str, Any] | None) -> dict[str, Any]:
+        """Sampling fields as the stub sends them (EngineRequest.sampling)."""
+        guided = {"guided_decoding": {"json": schema, "backend": backend}} if schema is not None else {}
+        return {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **guided, "output_kind": "DELTA"}
 
     def run(requests: list[tuple[str, int, bool]], max_tokens: int, timeout: float) -> dict[str, float]:
         """Submit (id, prompt index, constrained) all at once; returns submit times."""
@@ -266,7 +262,7 @@ def child_main(steps: int, model: str, backend: str, max_model_len: int, torch_t
         for request_id, index, constrained in requests:
             ids = prompt_ids(index)
             submitted[request_id] = time.perf_counter()
-            loop.submit(request_id, ids, params(max_tokens, SCHEMA if constrained else None))
+            loop.submit(EngineRequest(request_id, tuple(ids), params(max_tokens, SCHEMA if constrained else None)))
         if not probe.done.wait(timeout):
             raise RuntimeError(f"wave timed out; unfinished: {sorted(probe.expected)}")
         return submitted
@@ -275,7 +271,7 @@ def child_main(steps: int, model: str, backend: str, max_model_len: int, torch_t
         request_id = f"compile-{label}"
         probe.reset_wave({request_id})
         submitted = time.perf_counter()
-        loop.submit(request_id, prompt_ids(0), params(2, schema))
+        loop.submit(EngineRequest(request_id, tuple(prompt_ids(0)), params(2, schema)))
         if not probe.done.wait(600):
             raise RuntimeError("compile request timed out")
         if request_id in probe.failed:

@@ -32,10 +32,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
-    from vllm import EngineArgs, SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm import EngineArgs
 
     from triton_vllm_multistep.demo import models, tiny_llava
+    from triton_vllm_multistep.engine.events import EngineRequest
     from triton_vllm_multistep.engine.factory import build_engine
     from triton_vllm_multistep.engine.loop import EngineLoop, StepOutputs
     from triton_vllm_multistep.engine.multimodal import image_prompt
@@ -59,9 +59,9 @@ def main() -> None:
                     images_done.append(now)
 
     loop.serve(sink)
-    delta = RequestOutputKind.DELTA
-    text = SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0, output_kind=delta)
-    loop.submit("plain", [1, 2, 3], text)
+    delta = "DELTA"
+    text = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0, "output_kind": delta}
+    loop.submit(EngineRequest("plain", (1, 2, 3), text))
     wait_for(lambda: len(times) >= 30, 300, interval=0.02)
     print(f"tiny-llava, 8 steps, a running text stream; bursts of {args.burst} image requests (max_tokens 1)")
     for size in args.sizes:
@@ -70,11 +70,12 @@ def main() -> None:
         started = time.perf_counter()
         engine.input_preprocessor.preprocess(image_prompt(prompt_ids, [burst.pop()]))
         inline = time.perf_counter() - started
+        files = [multimodal.image_file(image) for image in burst]  # as the stub sends them (decoded by the engine)
         images_done.clear()
         submitted = time.perf_counter()
         for index in range(args.burst):
-            params = SamplingParams(max_tokens=1, temperature=0, output_kind=delta)
-            loop.submit(f"image-{size}-{index}", prompt_ids, params, images=[burst[index]])
+            params = {"max_tokens": 1, "temperature": 0, "output_kind": delta}
+            loop.submit(EngineRequest(f"image-{size}-{index}", tuple(prompt_ids), params, images=(files[index],)))
         wait_for(lambda: len(images_done) >= args.burst, 600, interval=0.02)
         finished = time.perf_counter()
         count = len(times)

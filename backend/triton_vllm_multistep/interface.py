@@ -120,8 +120,13 @@ UNHEALTHY_ENGINE_MESSAGE = "Model is unavailable due to unhealthy vLLM engine"
 LORA_OFF_MESSAGE = "LoRA feature is not enabled."
 
 
-def encode_image(image: Any, image_format: str = "PNG") -> bytes:
-    """A PIL image as an element of the `image` input: its file bytes (PNG: lossless), base64-encoded."""
+def image_file(image: Any, image_format: str = "PNG") -> bytes:
+    """A PIL image's file bytes (PNG: lossless): what an `EngineRequest` carries for it."""
     buffer = io.BytesIO()
     image.save(buffer, format=image_format)
-    return base64.b64encode(buffer.getvalue())
+    return buffer.getvalue()
+
+
+def encode_image(image: Any, image_format: str = "PNG") -> bytes:
+    """A PIL image as an element of the `image` input: its file bytes (PNG: lossless), base64-encoded."""
+    return base64.b64encode(image_file(image, image_format))

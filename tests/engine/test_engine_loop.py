@@ -15,10 +15,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import pytest
 import torch
-from vllm import EngineArgs, SamplingParams
+from vllm import EngineArgs
 
 from triton_vllm_multistep.demo import models as demo_models
-from triton_vllm_multistep.engine.events import EngineDied
+from triton_vllm_multistep.engine.events import EngineDied, EngineRequest
 from triton_vllm_multistep.engine.factory import EngineBuildError, build_engine
 from triton_vllm_multistep.engine.loop import EngineLoop, RequestFailed, StepOutputs
 
@@ -53,12 +53,12 @@ def test_the_engine_is_built_and_stepped_in_the_engine_thread_with_its_torch_thr
         assert loop.engine is engine and not loop.healthy  # built, not serving yet
         loop.serve(sink)
         assert loop.healthy
-        loop.submit("r1", [1, 5, 9, 12], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        loop.submit(EngineRequest("r1", (1, 5, 9, 12), {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}))
         assert finished.wait(60)
         outputs = [o for e in events if isinstance(e, StepOutputs) for o in e.outputs]
         assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 2, 3, 4, 5, 6]  # one output per step
         assert outputs[-1].finished
-        loop.submit("bad", [1, 10**7], SamplingParams(max_tokens=2))  # a token id outside the vocabulary
+        loop.submit(EngineRequest("bad", (1, 10**7), {"max_tokens": 2}))  # a token id outside the vocabulary
         deadline = time.monotonic() + 30
         while not any(isinstance(e, RequestFailed) for e in events) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -104,7 +104,10 @@ class _RecordingEngine:
     def step(self) -> list[object]:
         self.calls.append("step")
         finished, self._unfinished = self._unfinished, []
-        return [types.SimpleNamespace(request_id=r, finished=True) for r in finished]
+        return [
+            types.SimpleNamespace(request_id=r, finished=True, outputs=[], prompt_token_ids=None, metrics=None)
+            for r in finished
+        ]
 
     def close_window(self) -> list[object]:
         self.calls.append("close_window")
@@ -121,7 +124,7 @@ def test_an_idle_engine_closes_its_window_then_releases_remote_workers_once_per_
         for request_id in ("r1", "r2"):
             loop.settled.clear()
             del engine.calls[:]
-            loop.submit(request_id, [1, 2], SamplingParams(max_tokens=1))
+            loop.submit(EngineRequest(request_id, (1, 2), {"max_tokens": 1}))
             assert loop.settled.wait(30)
             assert engine.calls == [
                 f"add_request {request_id}",
@@ -172,10 +175,10 @@ def test_a_request_vllm_cannot_prepare_fails_alone_and_the_engine_keeps_serving(
         return execute_model(execute_model_req)
 
     engine.model_executor.execute_model = execute_or_refuse
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    params = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
     try:
         for request_id in ("r1", "bad", "r2"):  # admitted together: one schedule holds all three
-            loop.submit(request_id, [1, 5, 9, 12], params)
+            loop.submit(EngineRequest(request_id, (1, 5, 9, 12), params))
         loop.serve(events.append)
         deadline = time.monotonic() + 120
         finished = set()
@@ -201,27 +204,23 @@ def test_an_abort_before_admission_is_never_lost_plain_or_prepared_off_the_threa
     """Submitted and aborted before the engine thread admits them (here: before it serves at all),
     a plain request and a constrained one (its constraint built on the builder thread meanwhile)
     never reach the engine, however the threads interleave; the engine serves on."""
-    from vllm.sampling_params import GuidedDecodingParams
-
     events: list[object] = []
     loop = EngineLoop(lambda: build_engine(_args(steps=4), stream_mode="step"))
     engine = loop.start_engine()
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    constrained = SamplingParams(
-        max_tokens=6, temperature=0.0, guided_decoding=GuidedDecodingParams(choice=["yes", "no"])
-    )
+    params = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    constrained = {"max_tokens": 6, "temperature": 0.0, "guided_decoding": {"choice": ["yes", "no"]}}
     try:
-        loop.submit("plain", [1, 5, 9, 12], params)
-        loop.submit("constrained", [1, 5, 9, 12], constrained)
+        loop.submit(EngineRequest("plain", (1, 5, 9, 12), params))
+        loop.submit(EngineRequest("constrained", (1, 5, 9, 12), constrained))
         loop.abort("plain")
         loop.abort("constrained")
-        loop.submit("kept", [1, 5, 9, 12], params)
+        loop.submit(EngineRequest("kept", (1, 5, 9, 12), params))
         loop.serve(events.append)
         deadline = time.monotonic() + 120
         while not _finished(events, "kept") and time.monotonic() < deadline:
             time.sleep(0.05)
         # Served after the aborted ones would have been: a request admitted later still runs.
-        loop.submit("after", [1, 5, 9, 12], params)
+        loop.submit(EngineRequest("after", (1, 5, 9, 12), params))
         while not _finished(events, "after") and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _finished(events, "kept") and _finished(events, "after")

@@ -17,12 +17,10 @@ os.environ["VLLM_USE_V1"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import pytest
-from vllm import SamplingParams
-from vllm.sampling_params import RequestOutputKind
 
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.engine import cpu_placement
-from triton_vllm_multistep.engine.events import EngineDied, KvCacheStats, StepOutputs
+from triton_vllm_multistep.engine.events import EngineDied, EngineRequest, KvCacheStats, StepOutputs
 from triton_vllm_multistep.engine.factory import EngineBuildError, build_engine
 from triton_vllm_multistep.engine.loop import EngineLoop
 from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec
@@ -35,12 +33,14 @@ def _fields(**extra: Any) -> dict[str, Any]:
     return {"model": path, "dtype": "float32", "max_model_len": 256, "num_scheduler_steps": STEPS, "seed": 0, **extra}
 
 
-def _requests() -> list[tuple[str, list[int], SamplingParams]]:
-    delta = RequestOutputKind.DELTA
+def _requests() -> list[EngineRequest]:
+    delta = "DELTA"
     return [
-        ("greedy", [1, 5, 9, 12], SamplingParams(max_tokens=19, temperature=0.0, ignore_eos=True, output_kind=delta)),
-        ("seeded", [3, 4, 5], SamplingParams(max_tokens=13, temperature=0.8, seed=7, output_kind=delta)),
-        ("logprobs", [7, 8], SamplingParams(max_tokens=9, temperature=0.0, logprobs=2, output_kind=delta)),
+        EngineRequest(
+            "greedy", (1, 5, 9, 12), {"max_tokens": 19, "temperature": 0.0, "ignore_eos": True, "output_kind": delta}
+        ),
+        EngineRequest("seeded", (3, 4, 5), {"max_tokens": 13, "temperature": 0.8, "seed": 7, "output_kind": delta}),
+        EngineRequest("logprobs", (7, 8), {"max_tokens": 9, "temperature": 0.0, "logprobs": 2, "output_kind": delta}),
     ]
 
 
@@ -68,13 +68,26 @@ class Collector:
         return found
 
 
-def _run(loop: Any, requests: list[tuple[str, list[int], SamplingParams]]) -> Collector:
+def _run(loop: Any, requests: list[EngineRequest]) -> Collector:
     collector = Collector(len(requests))
     loop.serve(collector.sink, on_state=collector.states.append, time_steps=True)
-    for request_id, prompt, params in requests:
-        loop.submit(request_id, prompt, params)
+    for request in requests:
+        loop.submit(request)
     assert collector.done.wait(120)
     return collector
+
+
+def _plain(value: Any) -> bool:
+    """Whether `value` holds builtin values and the engine's boundary types only (no vLLM, torch or numpy)."""
+    if type(value).__module__ not in ("builtins", "triton_vllm_multistep.engine.events"):
+        return False
+    if isinstance(value, dict):
+        return all(_plain(key) and _plain(item) for key, item in value.items())
+    if isinstance(value, list | tuple):
+        return all(_plain(item) for item in value)
+    if hasattr(value, "__dataclass_fields__"):
+        return all(_plain(getattr(value, name)) for name in value.__dataclass_fields__)
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +124,9 @@ def test_the_engine_process_streams_the_same_steps_as_the_engine_thread(
     outputs = [o for e in collected.events if isinstance(e, StepOutputs) for o in e.outputs]
     assert all(o.outputs[0].logprobs for o in outputs if o.request_id == "logprobs")
     assert collected.states and isinstance(collected.states[-1], KvCacheStats)
+    # What crossed the pipe holds nothing of vLLM's, torch's or numpy's (as in the engine thread).
+    assert all(_plain(event) for event in [*collected.events, *collected.states])
+    assert all(_plain(event) for event in [*in_process.events, *in_process.states])
     assert engine_process.healthy and not any(isinstance(e, EngineDied) for e in collected.events)
 
 
@@ -135,9 +151,11 @@ def test_an_aborted_request_ends_and_the_others_finish(engine_process: EnginePro
             aborted.set()
 
     engine_process.serve(sink)
-    delta = RequestOutputKind.DELTA
-    engine_process.submit("long", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True, output_kind=delta))
-    engine_process.submit("short", [4, 5], SamplingParams(max_tokens=40, ignore_eos=True, output_kind=delta))
+    delta = "DELTA"
+    engine_process.submit(
+        EngineRequest("long", (1, 2, 3), {"max_tokens": 200, "ignore_eos": True, "output_kind": delta})
+    )
+    engine_process.submit(EngineRequest("short", (4, 5), {"max_tokens": 40, "ignore_eos": True, "output_kind": delta}))
     assert collector.done.wait(120)
     assert collector.finished() == {"short"}
     assert sum(len(d) for d in collector.deltas()["long"]) < 200
@@ -153,9 +171,9 @@ def test_a_killed_engine_process_fails_every_request_in_flight_once(engine_proce
             started.set()
 
     engine_process.serve(sink)
-    params = SamplingParams(max_tokens=200, ignore_eos=True)
-    engine_process.submit("a", [1, 2, 3], params)
-    engine_process.submit("b", [4, 5, 6], params)
+    params = {"max_tokens": 200, "ignore_eos": True}
+    engine_process.submit(EngineRequest("a", (1, 2, 3), params))
+    engine_process.submit(EngineRequest("b", (4, 5, 6), params))
     assert started.wait(60)
     assert engine_process.pid is not None
     os.kill(engine_process.pid, signal.SIGKILL)

@@ -17,6 +17,7 @@ os.environ["VLLM_USE_V1"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,11 @@ import pytest
 from PIL import Image
 from simulated_cuda import simulated_cuda
 from transformers import AutoTokenizer
-from vllm import EngineArgs, SamplingParams
-from vllm.sampling_params import GuidedDecodingParams, RequestOutputKind
+from vllm import EngineArgs
 
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.demo import tiny_llava
+from triton_vllm_multistep.engine.events import EngineRequest
 from triton_vllm_multistep.engine.factory import EngineBuildError, build_engine, cpu_multistep_config
 from triton_vllm_multistep.engine.gpu_multistep import WindowClosingEngine
 from triton_vllm_multistep.engine.loop import EngineLoop, RequestFailed, StepOutputs
@@ -47,18 +48,26 @@ def tokenizer(model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def _params(seed: int | None = None, **extra: Any) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=MAX_TOKENS,
-        temperature=0.0 if seed is None else 1.0,
-        seed=seed,
-        ignore_eos=True,
-        output_kind=RequestOutputKind.DELTA,
+def _params(seed: int | None = None, **extra: Any) -> dict[str, Any]:
+    """Sampling fields as the stub sends them (EngineRequest.sampling)."""
+    return {
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0 if seed is None else 1.0,
+        **({} if seed is None else {"seed": seed}),
+        "ignore_eos": True,
+        "output_kind": "DELTA",
         **extra,
-    )
+    }
 
 
-def _requests(tokenizer: Any) -> dict[str, tuple[list[int], list[Image.Image], SamplingParams]]:
+def _request(
+    request_id: str, prompt: list[int], params: dict[str, Any], images: Sequence[Image.Image] = ()
+) -> EngineRequest:
+    """An EngineRequest with the images as the stub sends them: their files."""
+    return EngineRequest(request_id, tuple(prompt), params, images=tuple(multimodal.image_file(i) for i in images))
+
+
+def _requests(tokenizer: Any) -> dict[str, tuple[list[int], list[Image.Image], dict[str, Any]]]:
     one = tokenizer.encode(multimodal.IMAGE_PROMPT)
     two = tokenizer.encode(multimodal.TWO_IMAGE_PROMPT)
     red, noise = multimodal.solid_image(), multimodal.noise_image()
@@ -69,7 +78,7 @@ def _requests(tokenizer: Any) -> dict[str, tuple[list[int], list[Image.Image], S
         "two": (two, [red, noise], _params()),
         "two-swapped": (two, [noise, red], _params()),
         "noise-seeded": (one, [noise], _params(seed=3)),
-        "red-choice": (one, [red], _params(guided_decoding=GuidedDecodingParams(choice=["red", "noise", "blue"]))),
+        "red-choice": (one, [red], _params(guided_decoding={"choice": ["red", "noise", "blue"]})),
         "text": (tokenizer.encode(multimodal.TEXT_PROMPT), [], _params()),
     }
 
@@ -89,8 +98,8 @@ class Collector:
             for output in event.outputs:
                 delta = list(output.outputs[0].token_ids)
                 self.tokens.setdefault(output.request_id, []).extend(delta)
-                if output.prompt_token_ids is not None:  # in a request's first output only
-                    self.prompt_tokens[output.request_id] = len(output.prompt_token_ids)
+                if output.prompt_tokens is not None:  # in a request's first output only
+                    self.prompt_tokens[output.request_id] = output.prompt_tokens
                 self.steps_per_output.add(len(delta))
                 if output.finished:
                     self._end(output.request_id)
@@ -104,7 +113,7 @@ class Collector:
             self.done.set()
 
 
-def _serve(model_dir: Path, steps: int, requests: dict[str, tuple[list[int], list[Image.Image], SamplingParams]]):
+def _serve(model_dir: Path, steps: int, requests: dict[str, tuple[list[int], list[Image.Image], dict[str, Any]]]):
     args = EngineArgs(
         model=str(model_dir),
         dtype="float32",
@@ -120,7 +129,7 @@ def _serve(model_dir: Path, steps: int, requests: dict[str, tuple[list[int], lis
         assert loop.facts.images_per_prompt == 2 and loop.facts.multimodal
         loop.serve(collector.sink)
         for request_id, (prompt, images, params) in requests.items():
-            loop.submit(request_id, prompt, params.clone(), images=images)
+            loop.submit(_request(request_id, prompt, params, images))
         assert collector.done.wait(600), "not every request ended"
     finally:
         loop.shutdown()
@@ -184,14 +193,14 @@ def test_a_prompt_the_processor_cannot_take_fails_alone_and_an_abort_while_proce
     try:
         # Aborted before the engine thread serves: whether its prompt is still being processed or
         # already queued for admission when the abort is handled, it never reaches the engine.
-        loop.submit("aborted", tokenizer.encode(multimodal.IMAGE_PROMPT), _params(), images=[red])
+        loop.submit(_request("aborted", tokenizer.encode(multimodal.IMAGE_PROMPT), _params(), [red]))
         loop.abort("aborted")
         loop.serve(collector.sink)
-        loop.submit("no-placeholder", tokenizer.encode(multimodal.TEXT_PROMPT), _params(), images=[red])
-        loop.submit("good", tokenizer.encode(multimodal.IMAGE_PROMPT), _params(), images=[red])
-        loop.submit("text", tokenizer.encode(multimodal.TEXT_PROMPT), _params())
+        loop.submit(_request("no-placeholder", tokenizer.encode(multimodal.TEXT_PROMPT), _params(), [red]))
+        loop.submit(_request("good", tokenizer.encode(multimodal.IMAGE_PROMPT), _params(), [red]))
+        loop.submit(_request("text", tokenizer.encode(multimodal.TEXT_PROMPT), _params()))
         # Two placeholders for one image, beyond this engine's limit of one image per prompt.
-        loop.submit("too-many", tokenizer.encode(multimodal.TWO_IMAGE_PROMPT), _params(), images=[red, red])
+        loop.submit(_request("too-many", tokenizer.encode(multimodal.TWO_IMAGE_PROMPT), _params(), [red, red]))
         assert collector.done.wait(300), collector.failed
     finally:
         loop.shutdown()

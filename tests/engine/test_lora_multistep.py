@@ -26,6 +26,7 @@ from vllm.lora.request import LoRARequest
 from vllm.sampling_params import RequestOutputKind
 
 from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.engine.admission import lora_request
 from triton_vllm_multistep.engine.cpu_lora import BaseRowsPunicaWrapperCPU
 from triton_vllm_multistep.engine.factory import build_engine
 from triton_vllm_multistep.testing import lora
@@ -52,7 +53,8 @@ def _lora(request_id: str, adapters: dict[str, Path]) -> LoRARequest | None:
     name = request_id.split("-")[0]
     if name not in adapters:
         return None
-    return LoRARequest(name, sorted(adapters).index(name) + 1, str(adapters[name]))
+    # As the engine builds it from an EngineRequest's adapter: (name, lora_int_id, path).
+    return lora_request((name, sorted(adapters).index(name) + 1, str(adapters[name])))
 
 
 def _params(request_id: str) -> SamplingParams:

@@ -19,11 +19,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import jsonschema
 import pytest
-from vllm import EngineArgs, SamplingParams
-from vllm.sampling_params import GuidedDecodingParams, RequestOutputKind
+from vllm import EngineArgs
 
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.engine.constraints import ConstraintGuard
+from triton_vllm_multistep.engine.events import EngineRequest
 from triton_vllm_multistep.engine.factory import build_engine
 from triton_vllm_multistep.engine.loop import EngineLoop, RequestFailed, StepOutputs
 
@@ -43,23 +43,28 @@ BACKENDS = ("xgrammar", "guidance", "lm-format-enforcer", "outlines")
 PROMPT = [1, 5, 9, 13]
 
 
-def _requests() -> dict[str, tuple[list[int], SamplingParams]]:
+# Sampling fields as the stub sends them (EngineRequest.sampling): vLLM's names, JSON values.
+Sampling = dict[str, Any]
+DELTA = "DELTA"
+
+
+def _requests() -> dict[str, tuple[list[int], Sampling]]:
     requests = {}
     for backend in BACKENDS:
         for kind, constraint in CONSTRAINTS.items():
             if backend == "outlines" and kind == "grammar":
                 continue  # outlines reads Lark grammars, not this GBNF (its own error, tested below)
             for seed in (None, 7):
-                params = SamplingParams(
-                    max_tokens=48,
-                    temperature=0.0 if seed is None else 1.0,
-                    seed=seed,
-                    guided_decoding=GuidedDecodingParams(backend=backend, **constraint),
-                    output_kind=RequestOutputKind.DELTA,
-                )
+                params = {
+                    "max_tokens": 48,
+                    "temperature": 0.0 if seed is None else 1.0,
+                    **({} if seed is None else {"seed": seed}),
+                    "guided_decoding": {"backend": backend, **constraint},
+                    "output_kind": DELTA,
+                }
                 requests[f"{backend}:{kind}:{seed}"] = (PROMPT, params)
     for index in range(3):  # unconstrained requests in the same batch
-        params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        params = {"max_tokens": 48, "temperature": 0.0, "ignore_eos": True, "output_kind": DELTA}
         requests[f"plain:{index}"] = ([1, 2 + index, 3], params)
     return requests
 
@@ -95,7 +100,7 @@ class Collector:
             self.done.set()
 
 
-def _serve(steps: int, requests: dict[str, tuple[list[int], SamplingParams]]) -> Collector:
+def _serve(steps: int, requests: dict[str, tuple[list[int], Sampling]]) -> Collector:
     path = str(demo_models.build("tiny-llama-bpe"))
     args = EngineArgs(model=path, dtype="float32", max_model_len=256, num_scheduler_steps=steps, seed=0)
     loop = EngineLoop(lambda: build_engine(args, stream_mode="step"))
@@ -104,7 +109,7 @@ def _serve(steps: int, requests: dict[str, tuple[list[int], SamplingParams]]) ->
     try:
         loop.serve(collector.sink)
         for request_id, (prompt, params) in requests.items():
-            loop.submit(request_id, prompt, params.clone())
+            loop.submit(EngineRequest(request_id, tuple(prompt), params))
         assert collector.done.wait(600), "not every request ended"
     finally:
         loop.shutdown()
@@ -157,17 +162,9 @@ def test_every_constrained_output_obeys_its_constraint(served: dict[int, Collect
 
 def test_a_constraint_the_backend_cannot_build_fails_its_request_alone() -> None:
     requests = {
-        "bad-regex": (PROMPT, SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(regex="(unclosed"))),
-        "lark-only": (
-            PROMPT,
-            SamplingParams(
-                max_tokens=8, guided_decoding=GuidedDecodingParams(grammar='root ::= "x"', backend="outlines")
-            ),
-        ),
-        "fine": (
-            PROMPT,
-            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA),
-        ),
+        "bad-regex": (PROMPT, {"max_tokens": 8, "guided_decoding": {"regex": "(unclosed"}}),
+        "lark-only": (PROMPT, {"max_tokens": 8, "guided_decoding": {"grammar": 'root ::= "x"', "backend": "outlines"}}),
+        "fine": (PROMPT, {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "output_kind": DELTA}),
     }
     collector = _serve(8, requests)
     assert set(collector.failed) == {"bad-regex", "lark-only"}
@@ -194,13 +191,9 @@ def test_a_constraint_that_fails_while_decoding_fails_its_request_alone_and_send
         return real_call(self, *args)
 
     monkeypatch.setattr(ConstraintGuard, "__call__", failing_on_the_third_step)
-    delta = RequestOutputKind.DELTA
     requests = {
-        "breaks": (
-            PROMPT,
-            SamplingParams(max_tokens=40, guided_decoding=GuidedDecodingParams(regex="[a-z]{30}"), output_kind=delta),
-        ),
-        "steady": (PROMPT, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, output_kind=delta)),
+        "breaks": (PROMPT, {"max_tokens": 40, "guided_decoding": {"regex": "[a-z]{30}"}, "output_kind": DELTA}),
+        "steady": (PROMPT, {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True, "output_kind": DELTA}),
     }
     collector = _serve(8, requests)
     assert collector.failed == {"breaks": "guided_decoding failed while decoding: RuntimeError: grammar state lost"}

@@ -13,9 +13,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from vllm.outputs import CompletionOutput, RequestOutput
-from vllm.sequence import Logprob
 
+from triton_vllm_multistep.engine.events import Completion, EngineOutput, TokenLogprob
 from triton_vllm_multistep.settings import Limits
 from triton_vllm_multistep.stub import codec
 
@@ -110,7 +109,7 @@ def test_a_configured_max_tokens_limit_also_caps_the_default() -> None:
 def test_only_the_requested_outputs_are_built() -> None:
     """Triton passes on only the outputs a client (or an ensemble step's output_map) asked for."""
     generation = request(sampling({"n": 2}, return_num_output_tokens=boolean(True), return_finish_reason=boolean(True)))
-    completions = [CompletionOutput(0, "ab", [1, 2], None, None, "stop"), CompletionOutput(1, "c", [3], None, None)]
+    completions = [Completion(0, "ab", [1, 2], None, None, "stop"), Completion(1, "c", [3], None, None)]
     everything = codec.encode_response(_output(completions), generation, first=True)
     assert set(everything) == {"text_output", "output_ids", "num_output_tokens", "finish_reason"}
     generation.outputs = frozenset({"text_output", "num_output_tokens", "logprobs"})  # logprobs: not returned
@@ -126,10 +125,10 @@ def test_windows_not_requested_still_keep_the_context_for_later_ones() -> None:
     generation = request({"input_ids": np.array([1, 2], dtype=np.int32), "return_detokenization_window": boolean(True)})
     decode = lambda ids, _skip: "".join(chr(96 + i) for i in ids)  # noqa: E731
     generation.outputs = frozenset({"output_ids"})
-    arrays = codec.encode_response(_output([CompletionOutput(0, "c", [3], None, None)]), generation, True, decode)
+    arrays = codec.encode_response(_output([Completion(0, "c", [3], None, None)]), generation, True, decode)
     assert set(arrays) == {"output_ids"} and generation.context_ids == [1, 2, 3]
     generation.outputs = None
-    arrays = codec.encode_response(_output([CompletionOutput(0, "d", [4], None, None)]), generation, False, decode)
+    arrays = codec.encode_response(_output([Completion(0, "d", [4], None, None)]), generation, False, decode)
     assert generation.context_ids == [1, 2, 3, 4] and arrays["window_ids"].tolist()[-1] == 4
 
 
@@ -298,8 +297,8 @@ def test_empty_sampling_json_means_no_fields() -> None:
     assert codec.parse_sampling_fields('{"n": 1}', "x") == {"n": 1}
 
 
-def _output(completions: list[CompletionOutput], finished: bool = False) -> RequestOutput:
-    return RequestOutput("r", "prompt", [1, 2, 3], None, completions, finished)
+def _output(completions: list[Completion], finished: bool = False) -> EngineOutput:
+    return EngineOutput("r", completions, finished, prompt_tokens=3)
 
 
 def test_response_arrays_hold_one_element_per_completion() -> None:
@@ -314,8 +313,10 @@ def test_response_arrays_hold_one_element_per_completion() -> None:
         )
     )
     completions = [
-        CompletionOutput(0, " world", [7, 8], -1.5, [{7: Logprob(-0.5, 1, "a")}, {8: Logprob(-1.0, 2, "b")}], "length"),
-        CompletionOutput(1, "!", [9], None, None, None),
+        Completion(
+            0, " world", [7, 8], -1.5, [{7: TokenLogprob(-0.5, 1, "a")}, {8: TokenLogprob(-1.0, 2, "b")}], "length"
+        ),
+        Completion(1, "!", [9], None, None, None),
     ]
     arrays = codec.encode_response(_output(completions, finished=True), generation, first=True)
     assert arrays["text_output"].tolist() == [b"hello world", b"hello!"]  # prompt prepended on the first
@@ -333,7 +334,7 @@ def test_response_arrays_hold_one_element_per_completion() -> None:
 
 def test_optional_outputs_are_sent_only_when_asked() -> None:
     generation = request(sampling({}, stream=boolean(True)))
-    arrays = codec.encode_response(_output([CompletionOutput(0, "ab", [1, 2], None, None)]), generation, first=True)
+    arrays = codec.encode_response(_output([Completion(0, "ab", [1, 2], None, None)]), generation, first=True)
     assert set(arrays) == {"text_output", "output_ids"}
     assert arrays["text_output"].tolist() == [b"ab"]
 

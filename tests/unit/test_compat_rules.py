@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from triton_vllm_multistep.engine import engine_args as vllm_args
-from triton_vllm_multistep.engine.events import KvCacheStats, StepOutputs
+from triton_vllm_multistep.engine.events import Completion, EngineOutput, KvCacheStats, StepOutputs
 from triton_vllm_multistep.settings import backend, parameters
 from triton_vllm_multistep.stub import codec
 from triton_vllm_multistep.stub.metrics import BackendMetrics, RequestTiming
@@ -363,9 +363,8 @@ def test_the_responder_flushes_metrics_before_it_sends_a_final() -> None:
     for rid in ("a", "b"):
         responder.register(rid, RequestState(sender=FakeSender(log), request=request, timing=object()))
 
-    def output(rid: str, finished: bool) -> Any:
-        completion = SimpleNamespace(index=0, text="x", token_ids=[7], finish_reason=None)
-        return SimpleNamespace(request_id=rid, finished=finished, outputs=[completion], metrics=None)
+    def output(rid: str, finished: bool) -> EngineOutput:
+        return EngineOutput(rid, [Completion(0, "x", [7])], finished)
 
     responder._send_outputs(StepOutputs([output("a", False), output("b", False)], 0.01))
     assert log == [("record", False), ("record", False), ("send", 0), ("send", 0)]  # no flush mid-stream

@@ -1,4 +1,6 @@
-"""The `image` input's decoding and limits (stub/images.py through stub/codec.py), with real PIL images."""
+"""The `image` input's decoding and limits (stub/images.py through stub/codec.py), with real PIL images;
+what the stub hands on (each image's file) decodes in the engine (engine/multimodal.decode_image) to
+the image the client sent."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from triton_vllm_multistep.engine.multimodal import decode_image
 from triton_vllm_multistep.settings import Limits
 from triton_vllm_multistep.stub import codec
 
@@ -39,7 +42,7 @@ def test_images_are_decoded_to_rgb_in_order_whatever_their_format_and_mode() -> 
     red = Image.new("RGB", (7, 5), (255, 0, 0))
     grey = Image.new("L", (3, 4), 128)
     generation = request(encoded(red), encoded(grey, "JPEG"))
-    first, second = generation.images
+    first, second = (decode_image(data) for data in generation.images)
     assert (first.mode, first.size, first.getpixel((0, 0))) == ("RGB", (7, 5), (255, 0, 0))
     assert (second.mode, second.size) == ("RGB", (3, 4))
     assert generation.prompt_token_ids == [1, 2, 3] and generation.prompt_tokens == 3
@@ -51,7 +54,7 @@ def test_wrapped_base64_and_data_urls_are_read_as_the_same_image() -> None:
     wrapped = b"\n".join(plain[i : i + 76] for i in range(0, len(plain), 76)) + b"\n"  # `base64` output
     data_url = b"data:image/png;base64," + plain
     for form in (plain, wrapped, data_url, plain.decode()):
-        (decoded,) = request(form).images
+        (decoded,) = (decode_image(data) for data in request(form).images)
         assert decoded.tobytes() == image.tobytes()
 
 

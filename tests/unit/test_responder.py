@@ -13,9 +13,8 @@ from collections.abc import Callable, Iterator
 
 import fake_pb_utils as pb
 import pytest
-from vllm.outputs import CompletionOutput, RequestOutput
 
-from triton_vllm_multistep.engine.events import EngineDied, RequestFailed, StepOutputs
+from triton_vllm_multistep.engine.events import Completion, EngineDied, EngineOutput, RequestFailed, StepOutputs
 from triton_vllm_multistep.stub.codec import GenerationRequest
 from triton_vllm_multistep.stub.responder import RequestState, Responder
 from triton_vllm_multistep.stub.triton_io import TritonCaller, WrongThreadError
@@ -41,7 +40,7 @@ class Harness:
     def step(self, *deltas: tuple[str, str, list[int], bool]) -> None:
         """One engine step: (request id, text, token ids, finished) per request in it."""
         outputs = [
-            RequestOutput(rid, None, [1, 2, 3], None, [CompletionOutput(0, text, ids, None, None)], finished)
+            EngineOutput(rid, [Completion(0, text, ids, None, None)], finished, prompt_tokens=3)
             for rid, text, ids, finished in deltas
         ]
         self.responder.post(StepOutputs(outputs, step_seconds=0.001))

@@ -8,12 +8,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from triton_vllm_multistep.engine.events import EngineDied, StepOutputs
+from triton_vllm_multistep.engine.events import Completion, EngineDied, EngineOutput, StepOutputs
 from triton_vllm_multistep.stub import codec, responder
 from triton_vllm_multistep.stub.responder import EventQueue, RequestState, Responder
 
@@ -61,11 +60,8 @@ class Sender:
 
 
 def step(request_id: str, token: int, finished: bool = False) -> StepOutputs:
-    completion = SimpleNamespace(
-        text=str(token), token_ids=[token], finish_reason=None, cumulative_logprob=None, logprobs=None
-    )
-    output = SimpleNamespace(request_id=request_id, finished=finished, outputs=[completion], metrics=None)
-    return StepOutputs([output], 0.001)
+    completion = Completion(0, str(token), [token])
+    return StepOutputs([EngineOutput(request_id, [completion], finished)], 0.001)
 
 
 def wait_for(condition: Callable[[], bool]) -> None:

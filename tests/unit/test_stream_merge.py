@@ -1,35 +1,33 @@
 """Several engine outputs as one response: merged deltas equal the outputs sent one by one, and the
 responder holds and releases a stream's outputs by `stream_interval` and the "merge" mode.
 
-Fake pb_utils, real vLLM output classes; the same through tritonserver is in tests/e2e.
+Fake pb_utils, the engine boundary's output types (engine/events.py); the same through tritonserver is in tests/e2e.
 """
 
 from __future__ import annotations
 
 import fake_pb_utils as pb
-from vllm.outputs import CompletionOutput, RequestOutput
-from vllm.sequence import Logprob
 
-from triton_vllm_multistep.engine.events import EngineDied, StepOutputs
+from triton_vllm_multistep.engine.events import Completion, EngineDied, EngineOutput, StepOutputs, TokenLogprob
 from triton_vllm_multistep.stub.codec import GenerationRequest
 from triton_vllm_multistep.stub.responder import EndRequests, RequestState, Responder
 from triton_vllm_multistep.stub.stream_merge import AdaptiveInterval, merge_deltas
 from triton_vllm_multistep.testing.polling import wait_for
 
 
-def delta(rid: str, *completions: tuple[int, str, list[int]], finished: bool = False) -> RequestOutput:
+def delta(rid: str, *completions: tuple[int, str, list[int]], finished: bool = False) -> EngineOutput:
     outputs = [
-        CompletionOutput(
+        Completion(
             index,
             text,
             ids,
             cumulative_logprob=-float(len(ids)),
-            logprobs=[{t: Logprob(-1.0)} for t in ids],
+            logprobs=[{t: TokenLogprob(-1.0)} for t in ids],
             finish_reason="length" if finished else None,
         )
         for index, text, ids in completions
     ]
-    return RequestOutput(rid, None, [1, 2], None, outputs, finished)
+    return EngineOutput(rid, outputs, finished, prompt_tokens=2)
 
 
 def test_merged_deltas_concatenate_text_ids_and_logprobs_per_completion_and_keep_the_latest_state() -> None:

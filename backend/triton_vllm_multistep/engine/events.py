@@ -1,22 +1,84 @@
-"""What crosses from the engine (thread or process) to the stub: typed events, no vLLM import.
+"""What crosses between the stub and the engine (thread or process): typed plain values, no vLLM import.
 
-Owns the boundary types (a step's outputs, a failed request, a dead engine, KV-cache counts, the
-built engine's facts) and the surface the stub drives an engine through (EngineRunner); must not
-import vLLM or torch, so stub-side modules and unit tests can use them cheaply.
+Owns the boundary types (the request the stub submits, a step's outputs, a failed request, a dead
+engine, KV-cache counts, the built engine's facts, the build failures that cross as themselves) and
+the surface the stub drives an engine through (EngineRunner); must not import vLLM, torch or numpy,
+so stub-side modules and unit tests can use them cheaply, and so an engine process can run another
+Python with another vLLM: nothing of vLLM's crosses in either direction (engine/admission.py builds
+vLLM's request objects from an EngineRequest, engine/outputs.py turns vLLM's outputs into these).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 # How a multi-step engine hands out tokens: after every decoded step, or once per scheduling
 # window. The name and values of the `stream_mode` config.pbtxt parameter (vLLM's own name for
 # it is `multi_step_stream_outputs`, True for "step").
 StreamMode = Literal["step", "window"]
 STREAM_MODES: tuple[StreamMode, ...] = ("step", "window")
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request, as the stub submits it (stub/codec.py builds it) and as it crosses to an engine process.
+
+    `sampling` maps vLLM SamplingParams field names to JSON values: `guided_decoding` as the object
+    of its GuidedDecodingParams fields, `output_kind` as a RequestOutputKind name ("DELTA",
+    "FINAL_ONLY"; absent: vLLM's default), `logit_bias` keyed by token ids written as strings.
+    `adapter` is the LoRA adapter as (name, lora_int_id, path) (None: the base model); `images` are
+    the encoded image files the prompt's placeholders stand for, in order (checked by the stub,
+    decoded again by the engine). Never modified once built.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+    adapter: tuple[str, int, str] | None = None
+    images: tuple[bytes, ...] = ()
+
+
+class TokenLogprob(NamedTuple):
+    """One candidate token's log probability at one position (vLLM's Logprob, as plain values)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+class Completion(NamedTuple):
+    """One completion of a request in one engine output (vLLM's CompletionOutput, as plain values).
+
+    Under the request's output kind: a delta (the new token ids and text of the step(s)) or all
+    so far; `logprobs` per token of `token_ids` (None unless asked for).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, TokenLogprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class EngineOutput(NamedTuple):
+    """One request's output of one engine step (vLLM's RequestOutput, as the plain values the stub uses).
+
+    Tuples, not dataclasses: hundreds are built per second per stream and cross the process pipe.
+    """
+
+    request_id: str
+    outputs: list[Completion]
+    finished: bool
+    # The prompt's length as the engine counts it (image placeholders expanded); a delta carries it
+    # in the request's first output only (None in the others, as vLLM's prompt_token_ids).
+    prompt_tokens: int | None = None
+    # time.time() of the request's first token (vLLM's RequestMetrics), once there is one.
+    first_token_time: float | None = None
 
 
 @dataclass(frozen=True)
@@ -30,7 +92,7 @@ class StepOutputs:
     scheduling round.
     """
 
-    outputs: list[Any]  # vLLM RequestOutputs
+    outputs: list[EngineOutput]
     step_seconds: float
     finished_at: float = field(default_factory=time.monotonic)
     forward_seconds: float | None = 0.0
@@ -89,6 +151,19 @@ class EngineFacts:
 EngineEvent = StepOutputs | RequestFailed | EngineDied
 
 
+class EngineBuildError(ValueError):
+    """The engine arguments ask for something this backend cannot run; the message says what.
+
+    Defined here (raised by engine/factory.py) so that an engine process's build failure crosses to
+    the stub as itself without vLLM.
+    """
+
+
+class EngineWarmupError(RuntimeError):
+    """The engine failed its warm-up generation: a first request would have failed the same way
+    (raised by engine/warmup.py; defined here for the reason EngineBuildError is)."""
+
+
 class EngineRunner(Protocol):
     """What the stub drives: engine.loop.EngineLoop (the engine in a thread of the stub) or
     engine.process.EngineProcess (the engine in a process of its own); same events, same order."""
@@ -112,14 +187,7 @@ class EngineRunner(Protocol):
         time_steps: bool = False,
     ) -> None: ...
 
-    def submit(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: Any,
-        lora_request: Any = None,
-        images: Sequence[Any] = (),
-    ) -> None: ...
+    def submit(self, request: EngineRequest) -> None: ...
 
     def abort(self, request_id: str) -> None: ...
 

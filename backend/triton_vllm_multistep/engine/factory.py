@@ -17,15 +17,12 @@ from vllm.config import SchedulerConfig, VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 
-from triton_vllm_multistep.engine.events import STREAM_MODES, StreamMode
+# EngineBuildError is defined with the boundary types (an engine process's build failure crosses as itself).
+from triton_vllm_multistep.engine.events import STREAM_MODES, EngineBuildError, StreamMode
 from triton_vllm_multistep.engine.multimodal import multi_step_refusal, prefix_caching_refusal
 from triton_vllm_multistep.engine.prefix_cache import count_cached_tokens_afresh
 
 logger = logging.getLogger(__name__)
-
-
-class EngineBuildError(ValueError):
-    """The engine arguments ask for something this backend cannot run; the message says what."""
 
 
 # Why tensor/pipeline parallel is refused on CPU: vLLM 0.8.5's CpuCommunicator always uses

@@ -1,8 +1,9 @@
 """The engine thread: builds the `LLMEngine` and is the only code that drives it.
 
 Owns running the engine build in its thread, admitting and aborting requests between steps and
-calling `step()`; must not build or send Triton responses (it hands `RequestOutput`s to a sink
-and returns to the engine).
+calling `step()`; must not build or send Triton responses (it hands each step's outputs, as the
+boundary's plain EngineOutputs, to a sink and returns to the engine). Requests are prepared for
+admission by engine/admission.py.
 """
 
 from __future__ import annotations
@@ -13,30 +14,29 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import TokensPrompt
-from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
 from vllm.worker.model_runner_base import InputProcessingError
 
-from triton_vllm_multistep.engine.constraints import ConstraintBuilder
+from triton_vllm_multistep.engine.admission import Admissions
 from triton_vllm_multistep.engine.cpu_attention import attention_kernels
 from triton_vllm_multistep.engine.events import (
     EngineDied,
     EngineEvent,
     EngineFacts,
+    EngineRequest,
     KvCacheStats,
     RequestFailed,
     StepOutputs,
     StreamMode,
 )
 from triton_vllm_multistep.engine.factory import build_engine, serving_torch_threads
-from triton_vllm_multistep.engine.multimodal import ImagePromptProcessor, image_prompt, images_per_prompt
+from triton_vllm_multistep.engine.multimodal import images_per_prompt
+from triton_vllm_multistep.engine.outputs import plain_outputs
 from triton_vllm_multistep.engine.prefix_cache import prefix_cache_hit_rate
 from triton_vllm_multistep.engine.warmup import preload_adapters, warmed_up
 
@@ -135,17 +135,6 @@ class ForwardClock:
         return seconds, end
 
 
-@dataclass
-class _Admission:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    lora_request: LoRARequest | None = None
-    images: Sequence[Any] = ()  # decoded RGB images for the prompt's placeholders, in order
-    processed: Any = None  # vLLM's processed inputs of an image prompt (engine/multimodal.py)
-    aborted: bool = False  # aborted before the engine thread admitted it: never admitted
-
-
 class EngineLoop:
     """Builds and drives one engine from one thread; other threads only enqueue work.
 
@@ -177,23 +166,19 @@ class EngineLoop:
         self._last_schedule: object = None
         self._state_interval = 0.25
         self._state_reported_at = 0.0
-        self._admissions: deque[_Admission] = deque()
         self._aborts: deque[str] = deque()
         self._wake = threading.Event()
         self._stopping = False
         self._in_engine: set[str] = set()
         # best_of requests: request id → all candidate sequences (vLLM returns only the best n).
         self._candidates: dict[str, list] = {}
-        # Every request submitted and not yet admitted or refused, by id: an abort marks it here
-        # whether it is queued for admission or still being prepared off this thread (image
-        # prompts processed, then constraints built: engine/multimodal.py, engine/constraints.py),
-        # so that no abort is lost between submission and admission. Then the constraints that
-        # failed in the last step.
-        self._builder: ConstraintBuilder | None = None
-        self._image_processor: ImagePromptProcessor | None = None
-        self._pending: dict[str, _Admission] = {}
-        self._pending_lock = threading.Lock()
-        self._constraint_failures: list[tuple[str, str]] = []
+        # Requests from submission to admission (prepared off this thread when they need it); a
+        # refused one fails through the sink of the moment.
+        self._admissions = Admissions(
+            lambda: self.engine,
+            self._wake.set,
+            lambda request_id, message: self._sink(RequestFailed(request_id, message)),
+        )
         # Set once the engine thread has settled an idle engine (window closed, workers released).
         self.settled = threading.Event()
         self._settled = False
@@ -248,73 +233,10 @@ class EngineLoop:
         self._time_steps = time_steps
         self._serving.set()
 
-    def submit(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        lora_request: LoRARequest | None = None,
-        images: Sequence[Any] = (),
-    ) -> None:
-        """Queue a request for the engine thread; `lora_request` names its adapter (None: the base
-        model), `images` are the decoded images its prompt's placeholders stand for."""
-        item = _Admission(request_id, prompt_token_ids, params, lora_request, tuple(images))
-        with self._pending_lock:
-            self._pending[request_id] = item
-        if images or params.guided_decoding is not None:
-            self._prepare(item)
-            return
-        self._admissions.append(item)
-        self._wake.set()
-
-    def _prepare(self, item: _Admission) -> None:
-        """Hand a request to its next preparation thread, or admit it once prepared."""
-        if item.images and item.processed is None:
-            with self._pending_lock:
-                if self._image_processor is None:
-                    self._image_processor = ImagePromptProcessor(self.engine)
-            prompt = image_prompt(item.prompt_token_ids, item.images)
-            self._image_processor.submit(
-                item.request_id, prompt, item.lora_request, self._image_processed, self._refused
-            )
-        elif item.params.guided_decoding is not None:
-            with self._pending_lock:
-                if self._builder is None:
-                    self._builder = ConstraintBuilder(self.engine, self._constraint_failures)
-            self._builder.submit(item.request_id, item.params, self._constraint_built, self._refused)
-        else:
-            # Prepared: the engine thread admits it, or drops it if it was aborted meanwhile.
-            self._admissions.append(item)
-            self._wake.set()
-
-    def _still_wanted(self, request_id: str) -> _Admission | None:
-        """A preparation thread's request, unless it was aborted meanwhile (then forgotten)."""
-        with self._pending_lock:
-            item = self._pending.get(request_id)
-            if item is not None and item.aborted:
-                del self._pending[request_id]
-                return None
-            return item
-
-    def _image_processed(self, request_id: str, processed: Any) -> None:
-        """Image prompt thread: the prompt is processed; on to its constraint or admission."""
-        if (item := self._still_wanted(request_id)) is not None:
-            item.processed = processed
-            self._prepare(item)
-
-    def _constraint_built(self, request_id: str, params: SamplingParams) -> None:
-        """Constraint builder thread: the constraint is built; admit the request."""
-        if (item := self._still_wanted(request_id)) is not None:
-            item.params = params
-            self._prepare(item)
-
-    def _refused(self, request_id: str, message: str) -> None:
-        """A preparation thread could not prepare the request; it fails alone."""
-        with self._pending_lock:
-            item = self._pending.pop(request_id, None)
-            if item is None or item.aborted:
-                return
-        self._sink(RequestFailed(request_id, message))
+    def submit(self, request: EngineRequest) -> None:
+        """Queue a request for the engine thread (any thread); vLLM's objects are built from its
+        plain values here (engine/admission.py)."""
+        self._admissions.submit(request)
 
     def abort(self, request_id: str) -> None:
         self._aborts.append(request_id)
@@ -343,20 +265,12 @@ class EngineLoop:
     def _admit_and_abort(self) -> None:
         while self._aborts:
             request_id = self._aborts.popleft()
-            with self._pending_lock:
-                if (pending := self._pending.get(request_id)) is not None:
-                    pending.aborted = True  # dropped before admission, wherever it is now
+            self._admissions.abort(request_id)  # dropped before admission, wherever it is now
             if request_id in self._in_engine:
                 self.engine.abort_request(request_id)
                 self._in_engine.discard(request_id)
                 self._candidates.pop(request_id, None)
-        while self._admissions:
-            item = self._admissions.popleft()
-            with self._pending_lock:
-                if self._pending.get(item.request_id) is item:
-                    del self._pending[item.request_id]
-            if item.aborted:
-                continue
+        for item in self._admissions.take():
             try:
                 if item.processed is not None:
                     # Processed on the image prompt thread: what vLLM's add_request does after its
@@ -459,25 +373,19 @@ class EngineLoop:
                 except InputProcessingError as error:
                     self._fail_unprocessable(error)
                     continue
-                if self._constraint_failures:
+                if self._admissions.constraint_failures:
                     outputs = self._fail_constraints(outputs)
                 self._hand_over(outputs, time.perf_counter() - started)
                 self._report_state()
             # Stopping (unload): release remote workers from their execution loop, or the
             # executor's shutdown cannot reach them.
             engine.model_executor.stop_remote_worker_execution_loop()
-            for preparer in (self._builder, self._image_processor):
-                if preparer is not None:
-                    preparer.stop()
+            self._admissions.stop()
         except BaseException as error:
             self.error = f"vLLM engine failed: {type(error).__name__}: {error}"
             logger.error("%s\n%s", self.error, traceback.format_exc())
             # In the engine, queued for admission or still being prepared: none will ever end now.
-            with self._pending_lock:
-                pending = [rid for rid, item in self._pending.items() if not item.aborted]
-                self._pending.clear()
-            lost = sorted(self._in_engine) + pending
-            self._admissions.clear()
+            lost = sorted(self._in_engine) + self._admissions.lost()
             self._sink(EngineDied(self.error, lost))
 
     def _hand_over(self, outputs: list[RequestOutput], seconds: float) -> None:
@@ -491,8 +399,8 @@ class EngineLoop:
         if self._time_steps:
             self._sink(self._timed_step(outputs, seconds, unreturned))
         elif outputs:
-            # V0 reuses and clears the returned list on the next step: hand over a copy.
-            self._sink(StepOutputs(list(outputs), seconds, unreturned=unreturned))
+            # Plain values (a new list: V0 reuses and clears the returned one on the next step).
+            self._sink(StepOutputs(plain_outputs(outputs), seconds, unreturned=unreturned))
 
     def _settle(self, engine: LLMEngine) -> None:
         """Once per idle period: close the window the finished requests left, release the workers."""
@@ -506,8 +414,9 @@ class EngineLoop:
     def _fail_constraints(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Requests whose constraint failed during the step (engine/constraints.ConstraintGuard):
         abort each, drop its output of the step (sampled without the constraint), fail it alone."""
-        failed = dict(self._constraint_failures)
-        self._constraint_failures.clear()
+        failures = self._admissions.constraint_failures
+        failed = dict(failures)
+        failures.clear()
         for request_id, message in failed.items():
             logger.warning("structured output of request %s failed: %s", request_id, message)
             if request_id in self._in_engine:
@@ -537,7 +446,7 @@ class EngineLoop:
         new_window = scheduled is not self._last_schedule and scheduled is not None and not scheduled.is_empty()
         self._last_schedule = scheduled
         return StepOutputs(
-            list(outputs),
+            plain_outputs(outputs),
             seconds,
             forward_seconds=forward_seconds,
             forward_end=forward_end,

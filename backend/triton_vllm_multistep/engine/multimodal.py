@@ -1,11 +1,12 @@
 """Image prompts for the engine loop: vLLM's own processing of a prompt with images runs on a thread of
 its own, and multimodal models that multi-step cannot advance are refused at load.
 
-Owns turning (prompt token ids, images) into vLLM 0.8.5's processed inputs with vLLM's
-`InputPreprocessor` (the model's HF processor, its placeholder expansion and vLLM's processing
-cache), and the list of model kinds multi-step cannot run exactly; must not drive the engine
-(engine/loop.py admits what is processed) and never decodes request bytes (the stub hands over
-decoded RGB images, stub/images.py).
+Owns turning (prompt token ids, encoded images) into vLLM 0.8.5's processed inputs: each image
+file decoded to RGB (the stub has checked it against the model's limits and decoded it once
+already, stub/images.py: what crosses to the engine is the file), then vLLM's `InputPreprocessor`
+(the model's HF processor, its placeholder expansion and vLLM's processing cache); and the list of
+model kinds multi-step cannot run exactly. Must not drive the engine (engine/loop.py admits what is
+processed) and never reads the request's base64 (the stub's).
 
 Why not in the engine's step: vLLM's `LLMEngine.add_request` runs the model's image processor
 (resize, normalise, patching) inline, on the thread that steps the engine, so every running stream
@@ -16,6 +17,7 @@ and a fast tokenizer is not safe to share across threads.
 
 from __future__ import annotations
 
+import io
 import logging
 import queue
 import threading
@@ -82,6 +84,13 @@ def images_per_prompt(model_config: ModelConfig) -> int:
     return int(model_config.multimodal_config.get_limit_per_prompt("image"))
 
 
+def decode_image(data: bytes) -> Any:
+    """An encoded image file (one of an EngineRequest's images) → its RGB PIL image, as the stub read it."""
+    from PIL import Image
+
+    return Image.open(io.BytesIO(data)).convert("RGB")
+
+
 def image_prompt(prompt_token_ids: list[int], images: Sequence[Any]) -> TokensPrompt:
     """vLLM's prompt for token ids holding the model's image placeholders, with the images in order."""
     return TokensPrompt(prompt_token_ids=prompt_token_ids, multi_modal_data={"image": list(images)})
@@ -93,14 +102,23 @@ class ImagePromptProcessor:
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
         self._preprocessor: Any = None  # built by its thread before its first request
-        self._work: queue.SimpleQueue[tuple[str, TokensPrompt, Any, Processed, Refused] | None] = queue.SimpleQueue()
+        self._work: queue.SimpleQueue[tuple[str, list[int], Sequence[bytes], Any, Processed, Refused] | None] = (
+            queue.SimpleQueue()
+        )
         self._thread = threading.Thread(target=self._run, name="vllm-image-prompts", daemon=True)
         self._thread.start()
 
     def submit(
-        self, request_id: str, prompt: TokensPrompt, lora_request: Any, processed: Processed, refused: Refused
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        images: Sequence[bytes],
+        lora_request: Any,
+        processed: Processed,
+        refused: Refused,
     ) -> None:
-        self._work.put((request_id, prompt, lora_request, processed, refused))
+        """Queue a prompt holding the model's image placeholders with its encoded `images`, in order."""
+        self._work.put((request_id, prompt_token_ids, images, lora_request, processed, refused))
 
     def stop(self) -> None:
         self._work.put(None)
@@ -114,15 +132,16 @@ class ImagePromptProcessor:
 
     def _run(self) -> None:
         while (item := self._work.get()) is not None:
-            request_id, prompt, lora_request, processed, refused = item
+            request_id, prompt_token_ids, images, lora_request, processed, refused = item
             try:
+                prompt = image_prompt(prompt_token_ids, [decode_image(data) for data in images])
                 if self._preprocessor is None:
                     self._preprocessor = self._build_preprocessor()
                 inputs = self._preprocessor.preprocess(prompt, lora_request=lora_request)
             except Exception as error:
                 # vLLM's own words (a prompt without the model's placeholder, too many images, ...).
-                images = len(prompt.get("multi_modal_data", {}).get("image", ()))
-                logger.info("the image prompt of %s (%d image(s)) cannot be processed: %s", request_id, images, error)
+                count = len(images)
+                logger.info("the image prompt of %s (%d image(s)) cannot be processed: %s", request_id, count, error)
                 refused(request_id, f"the image prompt cannot be processed: {type(error).__name__}: {error}")
             else:
                 try:

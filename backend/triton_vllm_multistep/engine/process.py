@@ -11,8 +11,11 @@ IPEX off or not and imports vLLM while the stub imports its own, then builds wha
 sends.
 
 Owns starting, feeding, watching and stopping the engine process, and the messages between the
-two sides; must not know Triton. Imports no vLLM at module level: the stub imports it before it
-may turn IPEX off, and the child runs it before it does.
+two sides: typed plain values (EngineSpec, engine/events.py's EngineRequest, Abort, Serve, Stop one
+way; Built or BuildFailed, the engine's events, KvCacheStats, Stopped the other), none of them
+vLLM's, torch's or numpy's (tests/unit/test_engine_messages.py unpickles each where those cannot
+load). Must not know Triton. Imports no vLLM at module level: the stub imports it before it may
+turn IPEX off, and the child runs it before it does.
 """
 
 from __future__ import annotations
@@ -26,16 +29,17 @@ import subprocess
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from triton_vllm_multistep.engine import cpu_placement
+from triton_vllm_multistep.engine import cpu_placement, events, ipex_switch
 from triton_vllm_multistep.engine.events import (
     EngineDied,
     EngineEvent,
     EngineFacts,
+    EngineRequest,
     KvCacheStats,
     RequestFailed,
     StepOutputs,
@@ -66,12 +70,75 @@ class EngineSpec:
     lora_adapters: tuple[tuple[str, int, str], ...] = ()
 
 
+@dataclass(frozen=True)
+class Serve:
+    """Stub → engine process: start stepping (EngineLoop.serve's settings; `report_state`: send KvCacheStats)."""
+
+    state_interval: float
+    time_steps: bool
+    report_state: bool
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Stub → engine process: abort one request."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stub → engine process: shut the engine down and exit."""
+
+
+@dataclass(frozen=True)
+class Built:
+    """Engine process → stub: the engine is built and warmed up."""
+
+    facts: EngineFacts
+    torch_threads: int | None
+
+
+@dataclass(frozen=True)
+class BuildFailed:
+    """Engine process → stub: the build failed; its exception when that unpickles without vLLM, torch
+    or numpy (ERROR_MODULES), else its type, message and traceback as text."""
+
+    error: BaseException | str
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """Engine process → stub: the engine is shut down; nothing follows."""
+
+
+# stub → engine process: EngineSpec first, then EngineRequest, Abort, Serve, Stop;
+# engine process → stub: Built or BuildFailed first, then EngineEvents, KvCacheStats, Stopped last.
+ToEngine = EngineSpec | EngineRequest | Abort | Serve | Stop
+FromEngine = Built | BuildFailed | EngineEvent | KvCacheStats | Stopped
+
+
 class EngineProcessError(RuntimeError):
     """The engine process failed to start or to build its engine (the message carries its error)."""
 
 
 class NoPythonForEngineProcess(EngineProcessError):
     """No Python could start the engine process (none found, or it would not start)."""
+
+
+# Modules whose exceptions unpickle without vLLM, torch or numpy: a build failure of theirs crosses as itself.
+ERROR_MODULES = frozenset({"builtins", events.__name__, __name__, cpu_placement.__name__, ipex_switch.__name__})
+
+
+def build_failure(error: BaseException) -> BuildFailed:
+    """The message for a failed build: the exception itself where it may cross, else its text."""
+    if type(error).__module__ in ERROR_MODULES:
+        try:
+            pickle.dumps(error)
+            return BuildFailed(error)
+        except Exception:
+            pass
+    return BuildFailed(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
 
 
 def python_for_children() -> str | None:
@@ -174,7 +241,7 @@ class EngineProcess:
             self.launch(self.spec.use_ipex, self.spec.cpus)
         assert self._connection is not None and self._process is not None
         self._spec_sent = True
-        self._send(("spec", self.spec))
+        self._send(self.spec)
         try:
             message = self._connection.recv()
         except (EOFError, OSError):
@@ -182,11 +249,13 @@ class EngineProcess:
                 "the vLLM engine process exited while building the engine "
                 f"(exit code {self._process.wait(30)}; its output is in the server log)"
             ) from None
-        if message[0] == "build_failed":
+        if isinstance(message, BuildFailed):
             self._process.wait(30)
-            error = message[1]
+            error = message.error
             raise error if isinstance(error, BaseException) else EngineProcessError(str(error))
-        _, self._facts, self.torch_threads = message
+        if not isinstance(message, Built):
+            raise EngineProcessError(f"the vLLM engine process answered its spec with {type(message).__name__}")
+        self._facts, self.torch_threads = message.facts, message.torch_threads
         return self._facts
 
     def serve(
@@ -200,24 +269,17 @@ class EngineProcess:
         self._serving = True
         self._reader = threading.Thread(target=self._read_events, name="vllm-engine-process-events", daemon=True)
         self._reader.start()
-        self._send(("serve", state_interval, time_steps, on_state is not None))
+        self._send(Serve(state_interval, time_steps, on_state is not None))
 
-    def submit(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: Any,
-        lora_request: Any = None,
-        images: Sequence[Any] = (),
-    ) -> None:
+    def submit(self, request: EngineRequest) -> None:
         with self._in_flight_lock:
-            self._in_flight.add(request_id)
-        self._send(("submit", request_id, prompt_token_ids, params, lora_request, tuple(images)))
+            self._in_flight.add(request.request_id)
+        self._send(request)  # crosses as itself
 
     def abort(self, request_id: str) -> None:
         with self._in_flight_lock:
             self._in_flight.discard(request_id)
-        self._send(("abort", request_id))
+        self._send(Abort(request_id))
 
     def stop(self, timeout: float = STOP_SECONDS) -> None:
         """Stop the engine (the child shuts its executor down) and the process; idempotent."""
@@ -227,7 +289,7 @@ class EngineProcess:
         if not self._spec_sent and self._process.poll() is None:
             # Launched, never given anything to build (the stub's load failed first): nothing to shut down.
             self._process.terminate()
-        self._send(("stop",))
+        self._send(Stop())
         try:
             self._process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -245,7 +307,7 @@ class EngineProcess:
         """EngineLoop's shutdown: here the engine process shuts its executor down when it stops."""
         self.stop()
 
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, message: ToEngine) -> None:
         if self._connection is None:
             return
         try:
@@ -259,26 +321,29 @@ class EngineProcess:
         assert self._connection is not None and self._process is not None
         while True:
             try:
-                kind, payload = self._connection.recv()
+                message: FromEngine = self._connection.recv()
             except (EOFError, OSError):
                 break
             except Exception as error:  # an event that does not unpickle: the engine's state is unknown
                 self._died(f"vLLM engine process sent an unreadable event: {error!r}")
                 return
-            if kind == "state":
+            if isinstance(message, KvCacheStats):
                 if self._on_state is not None:
                     try:
-                        self._on_state(payload)
+                        self._on_state(message)
                     except Exception:
                         logger.exception("reporting engine state failed")
                 continue
-            if kind == "stopped":
+            if isinstance(message, Stopped):
                 break
-            self._forget_ended(payload)
-            if isinstance(payload, EngineDied):
-                self._died(payload.message, payload)
+            if not isinstance(message, StepOutputs | RequestFailed | EngineDied):
+                self._died(f"vLLM engine process sent an unexpected message: {type(message).__name__}")
                 return
-            self._sink(payload)
+            self._forget_ended(message)
+            if isinstance(message, EngineDied):
+                self._died(message.message, message)
+                return
+            self._sink(message)
         if not self._stopping:
             try:
                 code: int | None = self._process.wait(5)
@@ -310,50 +375,48 @@ def serve_engine(connection: Connection) -> None:
     """The engine process: build the engine in an EngineLoop, then follow the stub's commands."""
     send_lock = threading.Lock()
 
-    def send(kind: str, payload: Any) -> None:
-        data = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
+    def send(message: FromEngine) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # outside the lock
         with send_lock:
             connection.send_bytes(data)
 
     try:
-        message = connection.recv()
+        message: ToEngine = connection.recv()
     except (EOFError, OSError):
         return  # the stub is gone before sending anything to build
-    if message[0] != "spec":
+    if not isinstance(message, EngineSpec):
         return  # stopped before it had anything to build (the stub's load failed first)
-    loop, engine = _built_loop(message[1], connection)
+    loop, engine = _built_loop(message, connection)
     if loop is None:
         return
     from triton_vllm_multistep.engine.loop import engine_facts
 
-    with send_lock:
-        connection.send(("built", engine_facts(engine), loop.torch_threads))
+    send(Built(engine_facts(engine), loop.torch_threads))
     try:
         while True:
             try:
                 message = connection.recv()
             except (EOFError, OSError):
                 break  # the stub is gone: stop
-            if message[0] == "submit":
-                loop.submit(*message[1:])
-            elif message[0] == "abort":
-                loop.abort(message[1])
-            elif message[0] == "serve":
-                _, state_interval, time_steps, report_state = message
+            if isinstance(message, EngineRequest):
+                loop.submit(message)
+            elif isinstance(message, Abort):
+                loop.abort(message.request_id)
+            elif isinstance(message, Serve):
                 loop.serve(
-                    sink=lambda event: send("event", event),
-                    on_state=(lambda state: send("state", state)) if report_state else None,
-                    state_interval=state_interval,
-                    time_steps=time_steps,
+                    sink=send,
+                    on_state=send if message.report_state else None,
+                    state_interval=message.state_interval,
+                    time_steps=message.time_steps,
                 )
-            elif message[0] == "stop":
+            elif isinstance(message, Stop):
                 break
     finally:
         try:
             loop.shutdown()
         finally:
             try:
-                send("stopped", None)
+                send(Stopped())
             except (OSError, ValueError):
                 pass
 
@@ -399,12 +462,7 @@ def _built_loop(spec: EngineSpec, connection: Connection) -> tuple[Any, Any]:
         )
         engine = loop.start_engine()
     except BaseException as error:
-        try:
-            pickle.dumps(error)
-            failure: Any = error
-        except Exception:
-            failure = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
-        connection.send(("build_failed", failure))
+        connection.send(build_failure(error))
         return None, None
     return loop, engine
 

@@ -21,16 +21,12 @@ from vllm.inputs import TokensPrompt
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 
-from triton_vllm_multistep.engine.factory import EngineBuildError
+from triton_vllm_multistep.engine.events import EngineBuildError, EngineWarmupError
 
 logger = logging.getLogger(__name__)
 
 WARMUP_TIME_BUDGET_S = 300.0
 _REQUEST_PREFIX = "__vllm_multistep_warmup"
-
-
-class EngineWarmupError(RuntimeError):
-    """The engine failed its warm-up generation: a first request would have failed the same way."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Request/response codec: Triton input arrays ⇄ typed generation requests and response arrays.
 
-Owns all input validation and every client-visible error message; must not touch the engine,
-threads or pb_utils (model.py hands it plain numpy arrays and strings).
+Owns all input validation and every client-visible error message, and the EngineRequest a request
+becomes (engine/events.py: plain values; vLLM's SamplingParams is built here only to check the
+fields, and again by the engine from the same fields, engine/admission.py); must not touch the
+engine, threads or pb_utils (model.py hands it plain numpy arrays and strings).
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:  # vLLM is imported where used: auto_complete_config's stub never needs it
-    from vllm.outputs import RequestOutput
     from vllm.sampling_params import SamplingParams
 
+from triton_vllm_multistep.engine.events import EngineOutput, EngineRequest, TokenLogprob
 from triton_vllm_multistep.interface import (
     BOOL_INPUTS,
     IMAGE_INPUT,
@@ -29,7 +31,7 @@ from triton_vllm_multistep.interface import SAMPLING_PARAMETERS as SAMPLING_TENS
 from triton_vllm_multistep.settings.backend import MAX_STREAM_INTERVAL, Limits
 from triton_vllm_multistep.settings.lora import Adapter
 from triton_vllm_multistep.stub.detokenization import text_window
-from triton_vllm_multistep.stub.images import ImageError, decode_images
+from triton_vllm_multistep.stub.images import ImageError, read_images
 
 
 class RequestError(ValueError):
@@ -172,10 +174,10 @@ class ReturnFlags:
 
 @dataclass
 class GenerationRequest:
-    """A validated request, ready for the engine."""
+    """A validated request, ready for the engine (`engine_request` makes what the engine gets)."""
 
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams  # checked here; the engine builds its own from `sampling`
     stream: bool
     prompt_text: str | None = None
     prepend_prompt: bool = False
@@ -187,9 +189,11 @@ class GenerationRequest:
     # The outputs the client (or the ensemble step) asked for; None: all. Only these are built.
     outputs: frozenset[str] | None = None
     adapter: Adapter | None = None  # `lora_name`'s adapter; None: the base model
-    images: tuple[Any, ...] = ()  # decoded RGB images for the prompt's placeholders (stub/images.py)
+    images: tuple[bytes, ...] = ()  # checked image files for the prompt's placeholders (stub/images.py)
     # The prompt's token count as the engine counts it (image placeholders expanded), once known.
     engine_prompt_tokens: int | None = None
+    # `sampling_params` as plain values (EngineRequest.sampling): vLLM field name → JSON value.
+    sampling: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prompt_tokens(self) -> int:
@@ -282,12 +286,11 @@ def parse_sampling_fields(text: str | None, source: str) -> dict[str, Any]:
     return data
 
 
-def structured_output(name: str, value: Any) -> Any:
+def structured_output(name: str, value: Any) -> dict[str, Any]:
     """`guided_decoding` / `structured_outputs` (a JSON string or an object of GuidedDecodingParams
-    fields) → vLLM's GuidedDecodingParams; every error names `name` and the problem. What only the
-    backend can judge (a regex, schema or grammar it cannot compile) fails when the engine builds it."""
-    from vllm.sampling_params import GuidedDecodingParams
-
+    fields) → the GuidedDecodingParams fields it sets, as JSON values (the JSON schema as an object);
+    every error names `name` and the problem. What only the backend can judge (a regex, schema or
+    grammar it cannot compile) fails when the engine builds it."""
     if isinstance(value, str):
         value = _json_loads(value, f"{name} is not valid JSON")
     if not isinstance(value, dict):
@@ -325,23 +328,29 @@ def structured_output(name: str, value: Any) -> Any:
         raise RequestError(
             f"{name}.backend must be one of {', '.join(GUIDED_BACKENDS)} (vLLM 0.8.5's), got {backend!r}"
         )
-    return GuidedDecodingParams(**{kind: constraint}, **options)
+    return {kind: constraint, **options}
 
 
 def sampling_params(
     fields: Mapping[str, Any], stream: bool, limits: ModelLimits, source: str = SAMPLING_TENSOR
-) -> SamplingParams:
-    """Convert and check sampling fields; every error names the field as `<source>.<field>`."""
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
+) -> tuple[SamplingParams, dict[str, Any]]:
+    """Convert and check sampling fields; every error names the field as `<source>.<field>`.
+
+    Returns vLLM's SamplingParams (built to check the fields as vLLM does) and the same fields as
+    plain values, what the engine builds its own from (EngineRequest.sampling).
+    """
+    from vllm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 
     kwargs: dict[str, Any] = {}
+    guided: dict[str, Any] | None = None
     given = [name for name in STRUCTURED_OUTPUT_FIELDS if fields.get(name) is not None]
     if len(given) > 1:
         raise RequestError(f"{source}: {' and '.join(given)} are two names for one setting; give one")
     for name, value in fields.items():
         if name in STRUCTURED_OUTPUT_FIELDS:
             if value is not None:
-                kwargs["guided_decoding"] = structured_output(f"{source}.{name}", value)
+                guided = structured_output(f"{source}.{name}", value)
+                kwargs["guided_decoding"] = GuidedDecodingParams(**guided)
             continue
         if name in REFUSED_FIELDS:
             raise RequestError(f"{source}.{name} is not accepted: {REFUSED_FIELDS[name]}")
@@ -359,7 +368,12 @@ def sampling_params(
         params = SamplingParams(**kwargs)
     except (ValueError, TypeError) as error:
         raise RequestError(f"{source}: {error}") from None
-    return params
+    plain = {**kwargs, "output_kind": kwargs["output_kind"].name}
+    if guided is not None:
+        plain["guided_decoding"] = guided
+    if "logit_bias" in plain:
+        plain["logit_bias"] = {str(token): bias for token, bias in plain["logit_bias"].items()}  # JSON keys
+    return params, plain
 
 
 def check_max_tokens(max_tokens: int, where: str) -> None:
@@ -425,18 +439,20 @@ def decode_request(
     model: ModelLimits,
     encode: Callable[[str], list[int]],
     decode: Callable[[list[int]], str],
+    outputs: frozenset[str] | None = None,
 ) -> GenerationRequest:
-    """Triton inputs (name → array) and request parameters (JSON) → a validated request."""
+    """Triton inputs (name → array) and request parameters (JSON) → a validated request; `outputs`:
+    the outputs the client asked for (None: all)."""
     # Images have limits of their own (max_image_bytes each, limit_mm_per_prompt of them).
     size = sum(_payload_bytes(array) for name, array in inputs.items() if name != IMAGE_INPUT)
     if size > model.limits.max_request_bytes:
         raise RequestError(
             f"request inputs are {size} bytes, over this model's limit of {model.limits.max_request_bytes}"
         )
-    images: tuple[Any, ...] = ()
+    images: tuple[bytes, ...] = ()
     if IMAGE_INPUT in inputs:
         try:
-            images = decode_images(
+            images = read_images(
                 inputs[IMAGE_INPUT],
                 model.images_per_prompt,
                 model.model_name,
@@ -487,7 +503,7 @@ def decode_request(
     fields, source = sampling_fields(inputs, parameters_json)
     interval = _stream_interval(fields.pop(STREAM_INTERVAL_FIELD, None), source)
     adapter = adapter_for(fields.pop(LORA_NAME_FIELD, None), model.adapters, source)
-    params = sampling_params(fields, stream, model, source)
+    params, plain_sampling = sampling_params(fields, stream, model, source)
     if not exclude and prompt_text is None:
         prompt_text = decode(prompt_ids)
     returns = ReturnFlags(**{name.removeprefix("return_"): bool(flags[name]) for name in RETURN_FLAGS})
@@ -502,8 +518,22 @@ def decode_request(
         returns=returns,
         context_ids=list(prompt_ids) if returns.detokenization_window else None,
         stream_interval=interval,
+        outputs=outputs,
         adapter=adapter,
         images=images,
+        sampling=plain_sampling,
+    )
+
+
+def engine_request(request: GenerationRequest, request_id: str) -> EngineRequest:
+    """What the engine gets for a decoded request: plain values only (engine/events.EngineRequest)."""
+    adapter = request.adapter
+    return EngineRequest(
+        request_id,
+        tuple(request.prompt_token_ids),
+        request.sampling,
+        None if adapter is None else (adapter.name, adapter.lora_int_id, adapter.path),
+        request.images,
     )
 
 
@@ -537,7 +567,7 @@ def _stream_interval(value: Any, source: str) -> int | None:
 
 
 def encode_response(
-    output: RequestOutput,
+    output: EngineOutput,
     request: GenerationRequest,
     first: bool,
     window_decode: Callable[[Sequence[int], int], str] | None = None,
@@ -587,7 +617,7 @@ def encode_response(
     return arrays
 
 
-def _logprobs_json(logprobs: Any) -> bytes:
+def _logprobs_json(logprobs: list[dict[int, TokenLogprob]] | None) -> bytes:
     if logprobs is None:
         return b"null"
     return json.dumps(

@@ -1,10 +1,12 @@
-"""The `image` input: base64-encoded images decoded to RGB and checked against the model's limits.
+"""The `image` input: base64-encoded images checked against the model's limits, decoded once to check.
 
 Owns reading one request's `image` tensor as Triton's vLLM backend (r24.12+) reads it (each element
 a base64-encoded image, opened with PIL and converted to RGB, in order; the encoding and
 encode_image are interface.py's) and refusing what the model cannot take; must not run the
 model's image processor (engine/multimodal.py hands the images to vLLM's) and runs on the thread
-that decodes requests, never the engine's.
+that decodes requests, never the engine's. What goes on to the engine is each image's file (the
+base64 decoded), which the engine decodes again (engine/multimodal.decode_image): no PIL image
+crosses to an engine process.
 
 The limits bound what one request can make the server hold: the encoded bytes of each image, its
 pixels (read from the image's header before any pixel is decoded, so a small file that would expand
@@ -38,8 +40,9 @@ def _element_bytes(item: Any) -> bytes:
     raise ImageError(f"input '{IMAGE_INPUT}' must be TYPE_STRING (BYTES) elements, got {type(item).__name__}")
 
 
-def decode_image(item: Any, index: int, max_bytes: int, max_pixels: int) -> Any:
-    """One element of the `image` tensor → an RGB PIL image (element `index`, counted from 0)."""
+def read_image(item: Any, index: int, max_bytes: int, max_pixels: int) -> bytes:
+    """One element of the `image` tensor (element `index`, counted from 0) → the image's file, once its
+    pixels decode to RGB within the limits."""
     from PIL import Image, UnidentifiedImageError
 
     where = f"input '{IMAGE_INPUT}' element {index}"
@@ -71,15 +74,16 @@ def decode_image(item: Any, index: int, max_bytes: int, max_pixels: int) -> Any:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            return image.convert("RGB")  # decodes the pixels
+            image.convert("RGB")  # decodes the pixels, as the engine will
     except Exception as error:  # truncated or corrupt data, an unsupported mode
         raise ImageError(f"{where} cannot be decoded ({type(error).__name__}: {error})") from None
+    return data
 
 
-def decode_images(
+def read_images(
     array: np.ndarray, images_per_prompt: int, model_name: str, max_bytes: int, max_pixels: int
-) -> tuple[Any, ...]:
-    """The request's `image` tensor → its RGB images, in order (none for an empty tensor).
+) -> tuple[bytes, ...]:
+    """The request's `image` tensor → its checked image files, in order (none for an empty tensor).
 
     `images_per_prompt` is the model's limit (0: a text-only model, which takes none).
     """
@@ -94,4 +98,4 @@ def decode_images(
             f"input '{IMAGE_INPUT}' holds {len(items)} images, more than this model's limit of {images_per_prompt} "
             "per prompt (vLLM's limit_mm_per_prompt in model.json)"
         )
-    return tuple(decode_image(item, index, max_bytes, max_pixels) for index, item in enumerate(items))
+    return tuple(read_image(item, index, max_bytes, max_pixels) for index, item in enumerate(items))

@@ -226,7 +226,7 @@ class ModelServer:
             raise
 
     def _prepare_requests(self, engine_args: Any) -> None:
-        """execute()'s tokenizer, the model's request limits and each adapter's request."""
+        """execute()'s tokenizer and the model's request limits."""
         facts = self.loop.facts
         self._tokenizer = self._load_tokenizer(engine_args)
         tokenizer_vocab = getattr(self._tokenizer, "max_token_id", len(self._tokenizer) - 1) + 1
@@ -238,10 +238,6 @@ class ModelServer:
             images_per_prompt=facts.images_per_prompt,
             adapters=self.adapters,
         )
-        from vllm.lora.request import LoRARequest
-
-        # What each request with a lora_name carries into the engine (vLLM caches adapters by id).
-        self._lora_requests = {a.name: LoRARequest(a.name, a.lora_int_id, a.path) for a in self.adapters or ()}
 
     def _start_observers(self, args: dict[str, str]) -> None:
         """The model's metrics (when on), the instance's heartbeat and restart count."""
@@ -376,6 +372,7 @@ class ModelServer:
                     self.limits,
                     encode=self._tokenizer.encode,
                     decode=self._tokenizer.decode,
+                    outputs=triton_io.requested_outputs(request, OUTPUT_NAMES),
                 )
             except codec.RequestError as error:
                 self.responder.refuse(sender, str(error), self._pb.TritonError.INVALID_ARG)
@@ -384,7 +381,6 @@ class ModelServer:
                 logger.exception("unexpected error decoding a request")
                 self.responder.refuse(sender, f"invalid request: {error}", self._pb.TritonError.INVALID_ARG)
                 continue
-            generation.outputs = triton_io.requested_outputs(request, OUTPUT_NAMES)
             request_id = request.request_id() or ""
             engine_id = f"{request_id}-{uuid.uuid4().hex}" if request_id else uuid.uuid4().hex
             timing = None
@@ -401,10 +397,8 @@ class ModelServer:
             if not self.responder.register(engine_id, RequestState(sender=sender, request=generation, timing=timing)):
                 self._refuse(sender)  # draining began since the check above
                 continue
-            lora_request = self._lora_requests[generation.adapter.name] if generation.adapter else None
-            self.loop.submit(
-                engine_id, generation.prompt_token_ids, generation.sampling_params, lora_request, generation.images
-            )
+            # Plain values only (the adapter as (name, lora_int_id, path)): the engine builds vLLM's objects.
+            self.loop.submit(codec.engine_request(generation, engine_id))
             if not self.loop.healthy:
                 # The engine died between the check above and the submit: nobody else will
                 # answer this request (fail() is a no-op if the death handling already did).

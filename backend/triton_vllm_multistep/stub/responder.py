@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from triton_vllm_multistep.engine.events import EngineDied, EngineEvent, RequestFailed, StepOutputs
+from triton_vllm_multistep.engine.events import EngineDied, EngineEvent, EngineOutput, RequestFailed, StepOutputs
 from triton_vllm_multistep.lifecycle.protocol import ENSEMBLE_CATCH_UP_SECONDS
 from triton_vllm_multistep.stub import codec, triton_io
 from triton_vllm_multistep.stub.stream_merge import AdaptiveInterval, merge_deltas
@@ -168,7 +168,7 @@ class RequestState:
     timing: Any = None  # metrics.RequestTiming when metrics are on
     # Streamed outputs not sent yet (stream_interval, or merged while the responses fall behind):
     # one delta output standing for `held_outputs` engine outputs.
-    held: Any = None
+    held: EngineOutput | None = None
     held_outputs: int = 0
 
 
@@ -389,7 +389,7 @@ class Responder:
     def _send_outputs(self, event: StepOutputs) -> None:
         if self._adaptive is not None:
             self._merged_interval = self._adaptive.interval(len(event.outputs))
-        due: list[tuple[str, Any, RequestState]] = []
+        due: list[tuple[str, EngineOutput, RequestState]] = []
         for output in event.outputs:
             state = self._states.get(output.request_id)
             if state is None:
@@ -410,7 +410,7 @@ class Responder:
     def _interval(self, state: RequestState) -> int:
         return max(state.request.stream_interval or self._stream_interval, self._merged_interval)
 
-    def _hold_or_release(self, output: Any, state: RequestState) -> Any:
+    def _hold_or_release(self, output: EngineOutput, state: RequestState) -> EngineOutput | None:
         """The output to send now for a streamed request (its held outputs merged in), or None to hold it."""
         holds = self._merge_when_behind or self._stream_interval > 1 or (state.request.stream_interval or 1) > 1
         if state.held is None and not holds:
@@ -427,10 +427,10 @@ class Responder:
             return None
         return self._release(output.request_id, state)
 
-    def _release(self, request_id: str, state: RequestState) -> Any:
+    def _release(self, request_id: str, state: RequestState) -> EngineOutput:
         output, state.held, state.held_outputs = state.held, None, 0
         self._holding.discard(request_id)
-        return output
+        return output  # type: ignore[return-value]  # only a request holding an output is released
 
     def _send_held(self, request_ids: list[str]) -> None:
         """Send the held outputs of these requests as they are (not FINAL): before their error."""
@@ -442,18 +442,18 @@ class Responder:
         if due:
             self._send(due, None)
 
-    def _send(self, due: list[tuple[str, Any, RequestState]], event: StepOutputs | None) -> None:
+    def _send(self, due: list[tuple[str, EngineOutput, RequestState]], event: StepOutputs | None) -> None:
         """Encode and send one response per entry; a finished output's response is its request's FINAL."""
         # CPU time of this thread, not wall time: a send also waits for tritonserver's answer, and
         # that wait costs the engine nothing; building and sending responses does (cores, GIL).
         self.caller.check("sending responses")
         started = time.thread_time()
-        ready: list[tuple[Any, RequestState, Any, bool]] = []
+        ready: list[tuple[EngineOutput, RequestState, Any, bool]] = []
         for request_id, output, state in due:
             finished = output.finished
-            if state.first and state.request.images and output.prompt_token_ids is not None:
+            if state.first and state.request.images and output.prompt_tokens is not None:
                 # The prompt as vLLM counts it: each image placeholder expanded to the image's tokens.
-                state.request.engine_prompt_tokens = len(output.prompt_token_ids)
+                state.request.engine_prompt_tokens = output.prompt_tokens
                 if state.timing is not None:
                     state.timing.prompt_tokens = state.request.engine_prompt_tokens
             try:
@@ -491,7 +491,7 @@ class Responder:
         if self._observer is not None and event is not None:
             self._observer.on_step(event, time.perf_counter())
 
-    def _observe(self, event: StepOutputs | None, ready: list[tuple[Any, RequestState, Any, bool]]) -> None:
+    def _observe(self, event: StepOutputs | None, ready: list[tuple[EngineOutput, RequestState, Any, bool]]) -> None:
         """Record the responses about to be sent; flush first if any is a FINAL.
 
         A client that scrapes the metrics once it has its FINAL must find its request counted, so
@@ -502,9 +502,7 @@ class Responder:
         for output, state, _, finished in ready:
             if state.timing is None:
                 continue
-            engine_first = None
-            if not state.request.stream and output.metrics is not None:
-                engine_first = getattr(output.metrics, "first_token_time", None)
+            engine_first = None if state.request.stream else output.first_token_time
             self._observer.on_response(
                 state.timing,
                 [(c.index, len(c.token_ids)) for c in output.outputs],

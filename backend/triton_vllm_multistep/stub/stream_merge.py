@@ -2,11 +2,10 @@
 
 Owns what "several engine outputs as one response" means: per completion (by index) the text,
 token ids and logprobs are concatenated in order, and everything that describes the latest state
-(cumulative logprob, finish and stop reason, `finished`, metrics) is taken from the later output.
-The engine's objects are never modified: a merge builds new ones, of the inputs' own classes
-(vLLM's RequestOutput and CompletionOutput), so this module imports no vLLM and the responder stays
-light to import. Also owns AdaptiveInterval, the "merge" mode's choice of steps per response.
-Used by the responder for `stream_interval` and the "merge" stream mode.
+(cumulative logprob, finish and stop reason, `finished`, the first token's time) is taken from the
+later output. The engine's outputs are never modified: a merge builds new ones (engine/events.py's
+EngineOutput and Completion). Also owns AdaptiveInterval, the "merge" mode's choice of steps per
+response. Used by the responder for `stream_interval` and the "merge" stream mode.
 """
 
 from __future__ import annotations
@@ -14,39 +13,34 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from triton_vllm_multistep.engine.events import Completion, EngineOutput
 
-def merge_deltas(earlier: Any, later: Any) -> Any:
-    """One delta output (a vLLM RequestOutput) equal to sending `earlier` then `later` (same request, streamed)."""
-    by_index: dict[int, Any] = {c.index: c for c in earlier.outputs}
+
+def merge_deltas(earlier: EngineOutput, later: EngineOutput) -> EngineOutput:
+    """One delta output equal to sending `earlier` then `later` (same request, streamed)."""
+    by_index: dict[int, Completion] = {c.index: c for c in earlier.outputs}
     for completion in later.outputs:
         before = by_index.get(completion.index)
         by_index[completion.index] = completion if before is None else _merge_completion(before, completion)
-    return type(later)(
-        request_id=later.request_id,
-        # A delta carries the prompt only in a request's first output; the merge keeps it.
-        prompt=later.prompt if later.prompt is not None else earlier.prompt,
-        prompt_token_ids=later.prompt_token_ids if later.prompt_token_ids is not None else earlier.prompt_token_ids,
-        prompt_logprobs=later.prompt_logprobs if later.prompt_logprobs is not None else earlier.prompt_logprobs,
-        outputs=[by_index[index] for index in sorted(by_index)],
-        finished=later.finished,
-        metrics=later.metrics,
-        lora_request=later.lora_request,
-        encoder_prompt=later.encoder_prompt,
-        encoder_prompt_token_ids=later.encoder_prompt_token_ids,
-        num_cached_tokens=later.num_cached_tokens,
+    return EngineOutput(
+        later.request_id,
+        [by_index[index] for index in sorted(by_index)],
+        later.finished,
+        # A delta carries the prompt's length only in a request's first output; the merge keeps it.
+        later.prompt_tokens if later.prompt_tokens is not None else earlier.prompt_tokens,
+        later.first_token_time,
     )
 
 
-def _merge_completion(earlier: Any, later: Any) -> Any:
-    return type(later)(
-        index=later.index,
-        text=earlier.text + later.text,
-        token_ids=[*earlier.token_ids, *later.token_ids],
-        cumulative_logprob=later.cumulative_logprob,
-        logprobs=_concat(earlier.logprobs, later.logprobs),
-        finish_reason=later.finish_reason,
-        stop_reason=later.stop_reason,
-        lora_request=later.lora_request,
+def _merge_completion(earlier: Completion, later: Completion) -> Completion:
+    return Completion(
+        later.index,
+        earlier.text + later.text,
+        [*earlier.token_ids, *later.token_ids],
+        later.cumulative_logprob,
+        _concat(earlier.logprobs, later.logprobs),
+        later.finish_reason,
+        later.stop_reason,
     )
 
 

@@ -1,4 +1,4 @@
-"""Test tools for image prompts: deterministic images, their base64 form, transformers' greedy answer
+"""Test tools for image prompts: deterministic images, their base64 and file forms, transformers' greedy answer
 for the tiny LLaVA demo model, and a config-only M-RoPE model (Qwen2-VL) for the load refusal.
 
 Owns what the engine, served and GPU-smoke tests of image input share; imports torch and
@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from triton_vllm_multistep.interface import encode_image  # noqa: F401  (the tests' encoder: the product's)
+# The tests' encoders are the product's: the `image` input's base64, and the file an EngineRequest carries.
+from triton_vllm_multistep.interface import encode_image, image_file  # noqa: F401
 
 IMAGE_PROMPT = "user: <image>\nWhat is in the image?\nassistant:"
 TWO_IMAGE_PROMPT = "user: <image> and <image>\nCompare them.\nassistant:"
