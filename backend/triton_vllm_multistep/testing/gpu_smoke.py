@@ -1,7 +1,7 @@
 """GPU smoke test of the engine path: the shipped config's engine, streamed, cancelled, idle, reported.
 
 Owns the checks a user runs once on a GPU host (scripts/gpu_smoke.sh; docs/gpu.md): build the
-engine exactly as the backend does (model.json + the config's engine_args → stub.config →
+engine exactly as the backend does (model.json + the config's engine_args → settings/ →
 engine.factory.build_engine, driven by engine.loop.EngineLoop), then check per-step streaming,
 the final output, cancelling mid-window and the first token after an idle period, and report the
 attention backend, CUDA graphs and async output processing vLLM uses. First, the same engine in
@@ -152,17 +152,15 @@ class Stream:
 def engine_args_from_config(
     model_dir: Path, config_file: Path, model: str | None = None, overrides: dict[str, Any] | None = None
 ) -> tuple[Any, Any]:
-    """(EngineArgs, BackendSettings) as ModelServer derives them from the model folder and config."""
-    from triton_vllm_multistep.stub import config
+    """(EngineArgs, BackendSettings) as ModelServer derives them from the model folder and config
+    (settings.read_model_settings, then engine.engine_args), with --model and --engine-args over them."""
+    from triton_vllm_multistep.engine.engine_args import engine_args_of
+    from triton_vllm_multistep.settings import config_with_parameters, read_model_settings
 
-    parameters = pbtxt_string_parameters(config_file.read_text())
-    model_config = {"parameters": {key: {"string_value": value} for key, value in parameters.items()}}
-    engine_json = config.apply_config_engine_args(config.load_engine_json(model_dir, "1"), model_config)
-    if model is not None:
-        engine_json["model"] = model
-    engine_json.update(overrides or {})
-    settings = config.backend_settings(model_config, engine_json)
-    return config.engine_args(engine_json, model_dir, settings), settings
+    model_config = config_with_parameters(pbtxt_string_parameters(config_file.read_text()))
+    tool_overrides = {**({"model": model} if model is not None else {}), **(overrides or {})}
+    settings = read_model_settings(model_dir, "1", model_config, overrides=tool_overrides)
+    return engine_args_of(settings), settings.backend
 
 
 def describe_engine(engine: Any) -> dict[str, Any]:
@@ -282,6 +280,29 @@ class _Collector:
         return streams
 
 
+def submit(
+    runner: Any,
+    request_id: str,
+    prompt: list[int],
+    sampling: dict[str, Any],
+    adapter: tuple[str, int, str] | None = None,
+    images: Sequence[Any] = (),
+) -> None:
+    """Every request of the check goes through here, as the stub's codec builds it: one EngineRequest of
+    plain values (`sampling`: vLLM SamplingParams field names; `adapter`: (name, lora_int_id, path);
+    `images`: PIL images, sent as their files)."""
+    from triton_vllm_multistep.engine.events import EngineRequest
+    from triton_vllm_multistep.interface import image_file
+
+    files = tuple(image_file(image) for image in images)
+    runner.submit(EngineRequest(request_id, tuple(prompt), dict(sampling), adapter=adapter, images=files))
+
+
+def greedy(max_tokens: int, output_kind: str = "DELTA") -> dict[str, Any]:
+    """Greedy sampling fields for `max_tokens` tokens (ignore_eos), streamed ("DELTA") or whole ("FINAL_ONLY")."""
+    return {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "output_kind": output_kind}
+
+
 def in_engine_process(
     engine_args: Any,
     drive: Callable[[Any, _Collector], Any],
@@ -314,24 +335,18 @@ def stream_in_engine_process(engine_args: Any, request_id: str, prompt: list[int
     """One streamed request through the engine in a process of its own."""
 
     def drive(runner: Any, collector: _Collector) -> Stream:
-        runner.submit(request_id, prompt, params)
+        submit(runner, request_id, prompt, params)
         return collector.collect({request_id: Stream()})[request_id]
 
     return in_engine_process(engine_args, drive)
 
 
 def constrained_requests(max_tokens: int = CONSTRAINED_MAX_TOKENS) -> dict[str, Any]:
-    """The structured-output requests (request id → SamplingParams), as the stub hands them to the
-    engine loop: vLLM's GuidedDecodingParams (backend: the engine's default), streamed, greedy."""
-    from vllm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
+    """The structured-output requests (request id → sampling fields), as the stub hands them to the
+    engine loop: vLLM's GuidedDecodingParams fields (backend: the engine's default), streamed, greedy."""
 
-    def constrained(**constraint: Any) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=0.0,
-            guided_decoding=GuidedDecodingParams(**constraint),
-            output_kind=RequestOutputKind.DELTA,
-        )
+    def constrained(**constraint: Any) -> dict[str, Any]:
+        return {"max_tokens": max_tokens, "temperature": 0.0, "guided_decoding": constraint, "output_kind": "DELTA"}
 
     return {"structured-choice": constrained(choice=CHOICES), "structured-json": constrained(json=JSON_SCHEMA)}
 
@@ -347,14 +362,14 @@ def stream_beside_constrained(loop: Any, collector: _Collector, prompt: list[int
     the unconstrained stream join it within a step or two and a short stream outlasts them."""
     warm_up = {f"{request_id}-warm-up": params for request_id, params in constrained_requests(1).items()}
     for request_id, params in warm_up.items():
-        loop.submit(request_id, prompt, params)
+        submit(loop, request_id, prompt, params)
     collector.collect({request_id: Stream() for request_id in warm_up})
     streams = {"structured-beside": Stream()}
-    loop.submit("structured-beside", prompt, plain)
+    submit(loop, "structured-beside", prompt, plain)
     collector.collect(streams, until=lambda: bool(streams["structured-beside"].deltas))
     for request_id, params in constrained_requests().items():
         streams[request_id] = Stream()
-        loop.submit(request_id, prompt, params)
+        submit(loop, request_id, prompt, params)
     return collector.collect(streams)
 
 
@@ -574,16 +589,14 @@ def merged_verdict(
     )
 
 
-def _lora_requests(adapters: Sequence[tuple[str, int, str]]) -> dict[str, Any]:
-    """Request id → LoRARequest (None: the base model): the base first, then each adapter."""
-    from vllm.lora.request import LoRARequest
-
-    return {"lora-base": None, **{f"lora-{name}": LoRARequest(name, id_, path) for name, id_, path in adapters}}
+def _lora_requests(adapters: Sequence[tuple[str, int, str]]) -> dict[str, tuple[str, int, str] | None]:
+    """Request id → adapter (name, lora_int_id, path) (None: the base model): the base first, then each adapter."""
+    return {"lora-base": None, **{f"lora-{adapter[0]}": adapter for adapter in adapters}}
 
 
 def _submit_each(runner: Any, requests: dict[str, Any], prompt: list[int], params: Callable[[], Any]) -> None:
-    for request_id, lora_request in requests.items():
-        runner.submit(request_id, prompt, params(), lora_request)
+    for request_id, adapter in requests.items():
+        submit(runner, request_id, prompt, params(), adapter)
 
 
 def run_lora_checks(
@@ -601,7 +614,7 @@ def run_lora_checks(
     tokens of the same engine at num_scheduler_steps 1 (in a process of its own, run first); each
     adapter changes the base model's answer; the tokens of transformers with the adapter merged
     (`transformers`: auto for models below TRANSFORMERS_MAX_PARAMS, on, off; else skipped, saying why)."""
-    from triton_vllm_multistep.stub.lora import local_model_dir
+    from triton_vllm_multistep.settings.lora import local_model_dir
 
     model_dir = local_model_dir(engine_args.model)
     with tempfile.TemporaryDirectory(prefix="gpu-smoke-lora-") as root:
@@ -636,8 +649,6 @@ def _lora_checks(
     transformers: str,
     user_threads: dict[str, str | None] | None,
 ) -> None:
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
-
     from triton_vllm_multistep.engine.factory import build_engine
     from triton_vllm_multistep.engine.warmup import preload_adapters
 
@@ -654,10 +665,8 @@ def _lora_checks(
     max_tokens = engine_args.num_scheduler_steps + 4  # a prefill step, a whole window and a partial one: short on CPU
     prompt = PROMPT
 
-    def params() -> SamplingParams:
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
-        )
+    def params() -> dict[str, Any]:
+        return greedy(max_tokens)
 
     lora_info = {
         "adapters": {name: str(folder) for name, folder in adapters},
@@ -704,8 +713,8 @@ def _lora_checks(
         loop.serve(collector.sink)
         mixed = collector.collect({request_id: Stream() for request_id in requests})
         alone: dict[str, Stream] = {}
-        for request_id, lora_request in requests.items():
-            loop.submit(request_id, prompt, params(), lora_request)
+        for request_id, adapter in requests.items():
+            submit(loop, request_id, prompt, params(), adapter)
             alone[request_id] = collector.collect({request_id: Stream()})[request_id]
         report.figures["lora_generate_seconds"] = time.perf_counter() - started
     finally:
@@ -853,7 +862,6 @@ def run_image_checks(report: SmokeReport, engine_args: Any, user_threads: dict[s
     engine steps, each give the tokens they give alone and those of num_scheduler_steps 1 (an engine
     process, run first: the images cross its pipe as the backend sends them); the image changes the
     answer."""
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     from triton_vllm_multistep.demo import models, tiny_llava
     from triton_vllm_multistep.engine.factory import build_engine
@@ -871,14 +879,12 @@ def run_image_checks(report: SmokeReport, engine_args: Any, user_threads: dict[s
     requests = _image_requests(model_dir)
     max_tokens = engine_args.num_scheduler_steps + 4  # a prefill step, a whole window and a partial one
 
-    def params() -> SamplingParams:
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
-        )
+    def params() -> dict[str, Any]:
+        return greedy(max_tokens)
 
     def submit_all(runner: Any) -> None:
         for request_id, (prompt, images) in requests.items():
-            runner.submit(request_id, prompt, params(), images=images)
+            submit(runner, request_id, prompt, params(), images=images)
 
     print("image:", json.dumps({"model": str(model_dir), "requests": sorted(requests)}), flush=True)
     try:
@@ -905,7 +911,7 @@ def run_image_checks(report: SmokeReport, engine_args: Any, user_threads: dict[s
         batch = collector.collect({request_id: Stream() for request_id in requests})
         alone = {}
         for request_id, (prompt, images) in requests.items():
-            loop.submit(request_id, prompt, params(), images=images)
+            submit(loop, request_id, prompt, params(), images=images)
             alone[request_id] = collector.collect({request_id: Stream()})[request_id]
     finally:
         loop.stop()
@@ -949,7 +955,6 @@ def release_engine_memory() -> None:
 def run_engine_checks(report: SmokeReport, engine_args: Any, user_threads: dict[str, str | None] | None = None) -> None:
     """The engine section: per-step streaming, the final output, cancel, idle, the engine process,
     structured output. The in-process engine is shut down on return."""
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     from triton_vllm_multistep.engine.factory import build_engine
     from triton_vllm_multistep.engine.gpu_multistep import window_open
@@ -959,8 +964,8 @@ def run_engine_checks(report: SmokeReport, engine_args: Any, user_threads: dict[
     # Outlasts the structured-output requests beside it (stream_beside_constrained).
     beside_tokens = 8 * engine_args.num_scheduler_steps + 2
 
-    def params(max_tokens: int, kind: RequestOutputKind = RequestOutputKind.DELTA) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=kind)
+    def params(max_tokens: int, kind: str = "DELTA") -> dict[str, Any]:
+        return greedy(max_tokens, kind)
 
     started = time.perf_counter()
     process_stream = stream_in_engine_process(engine_args, "process-stream", prompt, params(tokens))
@@ -981,16 +986,16 @@ def run_engine_checks(report: SmokeReport, engine_args: Any, user_threads: dict[
         loop.serve(collector.sink)
 
         # 1. A fresh request from an idle engine: its first token costs one forward pass.
-        loop.submit("warm-up", prompt, params(2))
+        submit(loop, "warm-up", prompt, params(2))
         collector.outputs_of("warm-up")
         assert loop.settled.wait(WAIT_SECONDS), "the engine did not go idle"
         submitted = time.perf_counter()
-        loop.submit("baseline", prompt, params(2))
+        submit(loop, "baseline", prompt, params(2))
         first = collector.outputs_of("baseline")[0]
         report.figures["ttft_idle_ms"] = (first[2] - submitted) * 1000
 
         # 2. Streaming: K tokens over several windows (one partial) → K outputs of one token each.
-        loop.submit("stream", prompt, params(tokens))
+        submit(loop, "stream", prompt, params(tokens))
         streamed = collector.outputs_of("stream")
         deltas = [list(o.outputs[0].token_ids) for o, _, _ in streamed]
         report.check(
@@ -1005,7 +1010,7 @@ def run_engine_checks(report: SmokeReport, engine_args: Any, user_threads: dict[
         )
         if len(streamed) > 1:
             report.figures["stream_tokens_per_second"] = (len(streamed) - 1) / (streamed[-1][2] - streamed[0][2])
-        loop.submit("whole", prompt, params(tokens, RequestOutputKind.FINAL_ONLY))
+        submit(loop, "whole", prompt, params(tokens, "FINAL_ONLY"))
         whole = collector.outputs_of("whole")
         whole_tokens = list(whole[-1][0].outputs[0].token_ids) if whole else []
         joined = [token for delta in deltas for token in delta]
@@ -1025,7 +1030,7 @@ def run_engine_checks(report: SmokeReport, engine_args: Any, user_threads: dict[
         # 3. Cancel mid-window: the engine frees the request's blocks and closes its window.
         assert loop.settled.wait(WAIT_SECONDS), "the engine did not go idle"
         total_blocks = loop.kv_cache_stats().total_blocks
-        loop.submit("cancel", prompt, params(10 * steps))
+        submit(loop, "cancel", prompt, params(10 * steps))
         seen = collector.outputs_of("cancel", until_finished=False, count=3)  # prefill + 2 steps of a window
         loop.abort("cancel")
         settled = loop.settled.wait(WAIT_SECONDS)
@@ -1041,7 +1046,7 @@ def run_engine_checks(report: SmokeReport, engine_args: Any, user_threads: dict[
 
         # 4. The first token after that idle period: its prefill only, no rest of a dead window.
         calls_before, submitted = collector.execute_calls, time.perf_counter()
-        loop.submit("after-cancel", prompt, params(2))
+        submit(loop, "after-cancel", prompt, params(2))
         first = collector.outputs_of("after-cancel")[0]
         report.figures["ttft_after_cancel_ms"] = (first[2] - submitted) * 1000
         report.check(
@@ -1053,7 +1058,7 @@ def run_engine_checks(report: SmokeReport, engine_args: Any, user_threads: dict[
 
         # 5. Structured output through the engine loop (constraint built off the engine thread), beside
         # an unconstrained stream: obeyed, the tokens of steps 1, per step, the other stream unchanged.
-        loop.submit("beside-alone", prompt, params(beside_tokens))
+        submit(loop, "beside-alone", prompt, params(beside_tokens))
         alone = collector.collect({"beside-alone": Stream()})["beside-alone"]
         streams = stream_beside_constrained(loop, collector, prompt, params(beside_tokens))
         check_structured_output(report, streams, reference, alone.deltas)
