@@ -34,12 +34,12 @@ def main() -> None:
     from transformers import AutoTokenizer
     from vllm import EngineArgs
 
+    from triton_vllm_multistep.checks import image_prompts as multimodal
     from triton_vllm_multistep.demo import models, tiny_llava
     from triton_vllm_multistep.engine.events import EngineRequest
     from triton_vllm_multistep.engine.factory import build_engine
     from triton_vllm_multistep.engine.loop import EngineLoop, StepOutputs
     from triton_vllm_multistep.engine.multimodal import image_prompt
-    from triton_vllm_multistep.testing import multimodal
 
     model = models.build(tiny_llava.NAME)
     prompt_ids = AutoTokenizer.from_pretrained(model).encode(multimodal.IMAGE_PROMPT)

@@ -5,7 +5,7 @@ For each model (SmolLM2-135M-Instruct, float32, and the overhead-bound demo `tin
 steps 8 and 1, two engines (engine/factory.py build_engine, stream_mode "step"): one without LoRA
 and one with LoRA enabled (max_loras 4, max_cpu_loras 4, max_lora_rank 8, so four adapters fit in
 one batch). Four rank-8 adapters on every attention and MLP projection are constructed in PEFT's
-format (testing/lora.py, seeds 1-4). A batch of N concurrent requests (default 32; distinct
+format (checks/adapters.py, seeds 1-4). A batch of N concurrent requests (default 32; distinct
 prompts, greedy, `ignore_eos`, the same max_tokens) is added at once and driven by engine.step()
 until all finish, request i getting the i-th (round robin) of its configuration's adapters:
 
@@ -372,8 +372,8 @@ def main() -> None:
     args.max_tokens = args.max_tokens or (16 if args.quick else 64)
     args.rounds = args.rounds or (1 if args.quick else 2)
     output = args.output or RESULTS / ("lora_throughput_quick.json" if args.quick else "lora_throughput.json")
+    from triton_vllm_multistep.checks import adapters as lora
     from triton_vllm_multistep.demo import models as demo_models
-    from triton_vllm_multistep.testing import lora
 
     results = []
     context = mp.get_context("spawn")
@@ -408,7 +408,7 @@ def main() -> None:
         "settings": {
             "batch": args.batch,
             "max_tokens": args.max_tokens,
-            "adapters": "rank 8, alpha 16, q/k/v/o/gate/up/down projections of every layer (testing/lora.py)",
+            "adapters": "rank 8, alpha 16, q/k/v/o/gate/up/down projections of every layer (checks/adapters.py)",
             "engine_lora": {"max_loras": 4, "max_cpu_loras": 4, "max_lora_rank": 8},
         },
         "models": results,

@@ -12,4 +12,4 @@ cd "$(dirname "$0")/.."
 python=.venv/bin/python
 [[ -x "$python" ]] || python=python3
 export PYTHONPATH="$PWD/backend${PYTHONPATH:+:$PYTHONPATH}"
-exec "$python" -m triton_vllm_multistep.testing.gpu_smoke "$@"
+exec "$python" -m triton_vllm_multistep.checks.gpu_smoke "$@"

@@ -72,8 +72,8 @@ def served_model_settings(steps: int, model: str) -> ModelSettings:
     """The served model's settings on CPU (model.json + configs/cpu.pbtxt, read as its stub reads
     them: settings/), with `num_scheduler_steps` and the model reference replaced: the offline
     engine runs what the server runs."""
+    from triton_vllm_multistep.checks.pbtxt import pbtxt_string_parameters
     from triton_vllm_multistep.settings import config_with_parameters, read_model_settings
-    from triton_vllm_multistep.testing.pbtxt import pbtxt_string_parameters
 
     parameters = pbtxt_string_parameters((SOURCE_MODEL / "configs" / "cpu.pbtxt").read_text())
     overrides = {"num_scheduler_steps": steps, "model": model}

@@ -25,10 +25,10 @@ from private_servers import copy_pipeline_stages, metric, model_ready, scrape
 from triton_clients import StreamResult, grpc_generate, make_inputs
 from tritonclient.utils import InferenceServerException
 
+from triton_vllm_multistep.checks import image_prompts as multimodal
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.demo import tiny_llava
 from triton_vllm_multistep.host import openai_process
-from triton_vllm_multistep.testing import multimodal
 from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, free_ports, start_server
 
 SHIPPED_MODEL = Path(__file__).resolve().parents[2] / "model_repository" / "vllm_model"

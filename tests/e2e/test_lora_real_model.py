@@ -23,8 +23,8 @@ from test_real_model import chat_ids
 from transformers import AutoTokenizer
 from triton_clients import grpc_generate
 
+from triton_vllm_multistep.checks import adapters as lora
 from triton_vllm_multistep.demo import models as demo_models
-from triton_vllm_multistep.testing import lora
 from triton_vllm_multistep.testing.local_server import ServerProcess
 
 README = (REPO_ROOT / "README.md").read_text()

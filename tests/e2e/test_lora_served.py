@@ -1,7 +1,7 @@
 """Multi-LoRA through the real server, as users of Triton's vLLM backend configure it: `enable_lora` in
 model.json, multi_lora.json in the version folder, `lora_name` in sampling_parameters.
 
-The tiny demo model with two adapters constructed in PEFT's format (testing/lora.py), served at
+The tiny demo model with two adapters constructed in PEFT's format (checks/adapters.py), served at
 num_scheduler_steps 8 and 1: every adapter and the base equal steps 1 token for token and
 transformers with the adapter merged into the weights; base and adapters mixed in one concurrent
 batch each equal their solo runs; streamed == whole; their backend's errors (unknown adapter, LoRA
@@ -25,8 +25,8 @@ from served_models import TINY_ENGINE
 from triton_clients import grpc_generate
 from tritonclient.utils import InferenceServerException
 
+from triton_vllm_multistep.checks import adapters as lora
 from triton_vllm_multistep.demo import models as demo_models
-from triton_vllm_multistep.testing import lora
 from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, start_server
 from triton_vllm_multistep.testing.polling import wait_for
 

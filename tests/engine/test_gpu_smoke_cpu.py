@@ -18,7 +18,8 @@ import pytest
 os.environ["VLLM_USE_V1"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from triton_vllm_multistep.testing import gpu_smoke
+from triton_vllm_multistep.checks import engines, gpu_smoke, images, lora, lora_reference, pbtxt, structured
+from triton_vllm_multistep.checks import report as smoke_report
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_MODEL = ROOT / "model_repository" / "vllm_model"
@@ -38,15 +39,15 @@ def test_config_parameters_are_read_as_tritons_parser_reads_them() -> None:
     for path in [SHIPPED_MODEL / "config.pbtxt", *(SHIPPED_MODEL / "configs").glob("*.pbtxt")]:
         message = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
         expected = {key: value.string_value for key, value in message.parameters.items()}
-        assert gpu_smoke.pbtxt_string_parameters(path.read_text()) == expected
+        assert pbtxt.pbtxt_string_parameters(path.read_text()) == expected
     text = """parameters [ { key: "a" value { string_value: 'x\\'y' } }, { key: 'b' value: { string_value: "" } } ]"""
-    assert gpu_smoke.pbtxt_string_parameters(text) == {"a": "x'y", "b": ""}
+    assert pbtxt.pbtxt_string_parameters(text) == {"a": "x'y", "b": ""}
 
 
 def test_every_smoke_check_passes_on_the_cpu_engine_from_the_shipped_cpu_config(tmp_path: Path) -> None:
     """The engine section on the shipped CPU config and model (its JSON-schema request completes on a
     real model's answers; a random demo model runs out of tokens inside the object)."""
-    engine_args, settings = gpu_smoke.engine_args_from_config(SHIPPED_MODEL, SHIPPED_MODEL / "configs" / "cpu.pbtxt")
+    engine_args, settings = engines.engine_args_from_config(SHIPPED_MODEL, SHIPPED_MODEL / "configs" / "cpu.pbtxt")
     assert engine_args.dtype == "float32" and settings.stream_mode == "step"
     report = gpu_smoke.run_smoke(engine_args, sections=("engine",))  # LoRA: its own test below
     assert [c.name for c in report.checks if not c.passed] == []
@@ -69,32 +70,32 @@ def test_an_engine_that_refuses_structured_output_fails_the_checks_with_its_refu
     num_scheduler_steps > 1 on GPU): a RequestFailed per constrained request; the beside stream runs."""
     refusal = "Guided decoding and logits processors are not supported in multi-step decoding"
     alone = [[7], [8], [9]]
-    beside = gpu_smoke.Stream(deltas=alone, finished=True, finish_reason="length", steps={1, 2, 3})
+    beside = smoke_report.Stream(deltas=alone, finished=True, finish_reason="length", steps={1, 2, 3})
     streams = {
         "structured-beside": beside,
-        "structured-choice": gpu_smoke.Stream(failure=refusal),
-        "structured-json": gpu_smoke.Stream(failure=refusal),
+        "structured-choice": smoke_report.Stream(failure=refusal),
+        "structured-json": smoke_report.Stream(failure=refusal),
     }
     reference = {
-        "structured-choice": gpu_smoke.Stream(deltas=[[3], [0]], text="no", finished=True, finish_reason="stop"),
-        "structured-json": gpu_smoke.Stream(deltas=[[4]], text="{}", finished=True, finish_reason="stop"),
+        "structured-choice": smoke_report.Stream(deltas=[[3], [0]], text="no", finished=True, finish_reason="stop"),
+        "structured-json": smoke_report.Stream(deltas=[[4]], text="{}", finished=True, finish_reason="stop"),
     }
-    report = gpu_smoke.SmokeReport()
-    gpu_smoke.check_structured_output(report, streams, reference, alone)
+    report = smoke_report.SmokeReport()
+    structured.check_structured_output(report, streams, reference, alone)
     assert not report.passed and not any(check.passed for check in report.checks)
     assert all(refusal in check.detail for check in report.checks[:3])
     assert "steps shared with structured-choice 0" in report.checks[3].detail
 
 
 def test_constrained_output_is_judged_by_its_constraint() -> None:
-    def stream(text: str, finish_reason: str = "stop") -> gpu_smoke.Stream:
-        return gpu_smoke.Stream(deltas=[[1]], text=text, finished=True, finish_reason=finish_reason)
+    def stream(text: str, finish_reason: str = "stop") -> smoke_report.Stream:
+        return smoke_report.Stream(deltas=[[1]], text=text, finished=True, finish_reason=finish_reason)
 
-    assert gpu_smoke.obeys_constraint("structured-choice", stream("not sure"))
-    assert not gpu_smoke.obeys_constraint("structured-choice", stream("maybe"))
-    assert gpu_smoke.obeys_constraint("structured-json", stream('{"answer": "no", "certain": false}'))
-    assert not gpu_smoke.obeys_constraint("structured-json", stream('{"answer": "no"}'))  # a required key missing
-    assert not gpu_smoke.obeys_constraint("structured-json", stream('{"answer": "no", "cert', "length"))
+    assert structured.obeys_constraint("structured-choice", stream("not sure"))
+    assert not structured.obeys_constraint("structured-choice", stream("maybe"))
+    assert structured.obeys_constraint("structured-json", stream('{"answer": "no", "certain": false}'))
+    assert not structured.obeys_constraint("structured-json", stream('{"answer": "no"}'))  # a required key missing
+    assert not structured.obeys_constraint("structured-json", stream('{"answer": "no", "cert', "length"))
 
 
 def test_the_lora_checks_pass_on_their_own_with_two_adapters_constructed_for_the_model(tmp_path: Path) -> None:
@@ -106,10 +107,10 @@ def test_the_lora_checks_pass_on_their_own_with_two_adapters_constructed_for_the
     code = gpu_smoke.main(["--cpu", "--only", "lora", *model, "--json", str(report_file)])
     report = json.loads(report_file.read_text())
     checks = {check["name"]: check for check in report["checks"]}
-    assert list(checks) == list(gpu_smoke.LORA_CHECKS)
+    assert list(checks) == list(lora_reference.LORA_CHECKS)
     assert [name for name, check in checks.items() if not check["passed"] or check["skipped"]] == [], checks
     assert code == 0
-    mixed, steps1, changed, merged = (checks[name]["detail"] for name in gpu_smoke.LORA_CHECKS)
+    mixed, steps1, changed, merged = (checks[name]["detail"] for name in lora_reference.LORA_CHECKS)
     for request_id in ("lora-base", "lora-smoke-attention", "lora-smoke-mlp"):
         assert f"{request_id}: 12 tokens, equal alone=True" in mixed
         assert f"{request_id}: 12 tokens, equal=True" in steps1
@@ -126,19 +127,19 @@ def test_the_image_checks_pass_on_their_own_with_the_tiny_llava_demo_model(tmp_p
     code = gpu_smoke.main(["--cpu", "--only", "image", "--model-dir", str(SHIPPED_MODEL), "--json", str(report_file)])
     report = json.loads(report_file.read_text())
     checks = {check["name"]: check for check in report["checks"]}
-    assert list(checks) == list(gpu_smoke.IMAGE_CHECKS)
+    assert list(checks) == list(images.IMAGE_CHECKS)
     assert [name for name, check in checks.items() if not check["passed"] or check["skipped"]] == [], checks
     assert code == 0
-    steps1, alone, _ = (checks[name]["detail"] for name in gpu_smoke.IMAGE_CHECKS)
+    steps1, alone, _ = (checks[name]["detail"] for name in images.IMAGE_CHECKS)
     for request_id in ("image-red", "image-noise", "image-two", "image-text-only"):
         assert f"{request_id}: 12 tokens, finish length" in steps1 and steps1.count("equal=True") == 4
         assert f"{request_id}: 12 tokens" in alone and alone.count("equal=True") == 4
     assert "image_seconds" in report["figures"]
 
 
-def _lora_skips(model: str) -> gpu_smoke.SmokeReport:
-    report = gpu_smoke.SmokeReport()
-    gpu_smoke.run_lora_checks(report, SimpleNamespace(model=model))
+def _lora_skips(model: str) -> smoke_report.SmokeReport:
+    report = smoke_report.SmokeReport()
+    lora.run_lora_checks(report, SimpleNamespace(model=model))
     return report
 
 
@@ -155,11 +156,11 @@ def test_the_lora_checks_are_skipped_with_the_reason_for_models_adapters_cannot_
         (str(gpt2), "not a Llama-style model (GPT2LMHeadModel): its config.json lacks hidden_size"),
     ]:
         report = _lora_skips(model)
-        assert [c.name for c in report.checks] == list(gpu_smoke.LORA_CHECKS)
+        assert [c.name for c in report.checks] == list(lora_reference.LORA_CHECKS)
         assert all(c.skipped and not c.passed and reason in c.detail for c in report.checks), report.checks
         assert all("--lora-adapters name=path,name=path" in c.detail for c in report.checks)
         assert not report.passed and report.ran == []
-    report = gpu_smoke.SmokeReport()
+    report = smoke_report.SmokeReport()
     report.check("ran", True, "")
     report.skip("could not run", "why")
     assert report.passed and [c.name for c in report.skipped] == ["could not run"]
@@ -169,7 +170,7 @@ def test_lora_adapters_option_names_each_folder(tmp_path: Path) -> None:
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "adapter_config.json").write_text("{}")
-    assert gpu_smoke.parse_lora_adapters(f"x={tmp_path / 'a'}, y={tmp_path / 'b'}") == [
+    assert lora_reference.parse_lora_adapters(f"x={tmp_path / 'a'}, y={tmp_path / 'b'}") == [
         ("x", tmp_path / "a"),
         ("y", tmp_path / "b"),
     ]
@@ -180,7 +181,7 @@ def test_lora_adapters_option_names_each_folder(tmp_path: Path) -> None:
         (",", "names no adapter"),
     ]:
         with pytest.raises(ValueError, match=message):
-            gpu_smoke.parse_lora_adapters(text)
+            lora_reference.parse_lora_adapters(text)
     with pytest.raises(SystemExit) as exited:
         gpu_smoke.main(["--cpu", "--lora-adapters", "nonsense"])
     assert exited.value.code == 2
@@ -189,25 +190,25 @@ def test_lora_adapters_option_names_each_folder(tmp_path: Path) -> None:
 def test_the_merged_reference_is_skipped_with_the_reason_when_it_cannot_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from triton_vllm_multistep.checks import adapters as lora
     from triton_vllm_multistep.demo import models as demo_models
-    from triton_vllm_multistep.testing import lora
 
     model_dir = demo_models.build("tiny-llama-bpe")
     adapter = lora.write_adapter(model_dir, tmp_path / "plain", seed=1)
-    assert gpu_smoke.no_constructed_adapters(str(model_dir), model_dir) is None
-    assert gpu_smoke.no_merged_reference(model_dir, [("plain", adapter)], "auto") is None
-    assert gpu_smoke.no_merged_reference(model_dir, [("plain", adapter)], "off") == "--lora-transformers off"
-    assert "no local folder" in gpu_smoke.no_merged_reference(None, [("plain", adapter)], "on")
+    assert lora_reference.no_constructed_adapters(str(model_dir), model_dir) is None
+    assert lora_reference.no_merged_reference(model_dir, [("plain", adapter)], "auto") is None
+    assert lora_reference.no_merged_reference(model_dir, [("plain", adapter)], "off") == "--lora-transformers off"
+    assert "no local folder" in lora_reference.no_merged_reference(None, [("plain", adapter)], "on")
     dora = lora.write_adapter(model_dir, tmp_path / "dora", seed=2)
     (dora / "adapter_config.json").write_text(
         json.dumps({**json.loads((dora / "adapter_config.json").read_text()), "use_dora": True})
     )
-    assert "adapter dora: use_dora" in gpu_smoke.no_merged_reference(model_dir, [("dora", dora)], "auto")
-    monkeypatch.setattr(gpu_smoke, "TRANSFORMERS_MAX_PARAMS", 1000)
-    assert "too large to run in transformers on the host" in gpu_smoke.no_merged_reference(
+    assert "adapter dora: use_dora" in lora_reference.no_merged_reference(model_dir, [("dora", dora)], "auto")
+    monkeypatch.setattr(lora_reference, "TRANSFORMERS_MAX_PARAMS", 1000)
+    assert "too large to run in transformers on the host" in lora_reference.no_merged_reference(
         model_dir, [("plain", adapter)], "auto"
     )
-    assert gpu_smoke.no_merged_reference(model_dir, [("plain", adapter)], "on") is None
+    assert lora_reference.no_merged_reference(model_dir, [("plain", adapter)], "on") is None
 
 
 def test_the_merged_reference_is_exact_for_float32_and_allows_only_near_ties_otherwise(
@@ -215,19 +216,19 @@ def test_the_merged_reference_is_exact_for_float32_and_allows_only_near_ties_oth
 ) -> None:
     """A float32 engine must give transformers' greedy tokens; a bfloat16/float16 one may part from them
     only where its token is within NEAR_TIE_NATS of the merged model's best."""
+    from triton_vllm_multistep.checks import adapters as lora
     from triton_vllm_multistep.demo import models as demo_models
-    from triton_vllm_multistep.testing import lora
 
     model_dir = demo_models.build("tiny-llama-bpe")
     adapter = lora.write_adapter(model_dir, tmp_path / "a", seed=1)
-    prompt = list(gpu_smoke.PROMPT)
+    prompt = list(engines.PROMPT)
     expected = lora.greedy_ids(lora.merged_model(model_dir, adapter), prompt, 6)
-    assert gpu_smoke.merged_verdict(model_dir, adapter, prompt, expected, exact=True) == (True, "6 tokens equal")
+    assert lora_reference.merged_verdict(model_dir, adapter, prompt, expected, exact=True) == (True, "6 tokens equal")
     other = [*expected[:5], (expected[5] + 1) % 100]
-    ok, detail = gpu_smoke.merged_verdict(model_dir, adapter, prompt, other, exact=True)
+    ok, detail = lora_reference.merged_verdict(model_dir, adapter, prompt, other, exact=True)
     assert not ok and detail.startswith("differ from token 5")
-    monkeypatch.setattr(gpu_smoke, "NEAR_TIE_NATS", 1e9)
-    ok, detail = gpu_smoke.merged_verdict(model_dir, adapter, prompt, other, exact=False)
+    monkeypatch.setattr(lora_reference, "NEAR_TIE_NATS", 1e9)
+    ok, detail = lora_reference.merged_verdict(model_dir, adapter, prompt, other, exact=False)
     assert ok and "nats of the merged model's best" in detail
-    monkeypatch.setattr(gpu_smoke, "NEAR_TIE_NATS", 0.0)
-    assert not gpu_smoke.merged_verdict(model_dir, adapter, prompt, other, exact=False)[0]
+    monkeypatch.setattr(lora_reference, "NEAR_TIE_NATS", 0.0)
+    assert not lora_reference.merged_verdict(model_dir, adapter, prompt, other, exact=False)[0]

@@ -27,13 +27,13 @@ from simulated_cuda import simulated_cuda
 from transformers import AutoTokenizer
 from vllm import EngineArgs
 
+from triton_vllm_multistep.checks import image_prompts as multimodal
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.demo import tiny_llava
 from triton_vllm_multistep.engine.events import EngineRequest
 from triton_vllm_multistep.engine.factory import EngineBuildError, build_engine, cpu_multistep_config
 from triton_vllm_multistep.engine.gpu_multistep import WindowClosingEngine
 from triton_vllm_multistep.engine.loop import EngineLoop, RequestFailed, StepOutputs
-from triton_vllm_multistep.testing import multimodal
 
 MAX_TOKENS = 24
 

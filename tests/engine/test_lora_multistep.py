@@ -1,7 +1,7 @@
 """Multi-LoRA with the CPU multi-step runner: adapters and the base model in one batch, exact.
 
 Real vLLM 0.8.5 engines (CPU multi-step at 8 steps, vLLM's own at 1) on the demo model with two
-adapters constructed in PEFT's format (testing/lora.py); the reference outside vLLM is transformers
+adapters constructed in PEFT's format (checks/adapters.py); the reference outside vLLM is transformers
 with each adapter merged into the weights (W + alpha/r * B @ A). Every request (base, adapters,
 greedy and seeded) gets the same tokens at 8 steps as at 1, as alone, and (greedy) as the merged
 model; with one adapter slot the scheduler runs adapters in turn and nothing changes; rows without
@@ -25,11 +25,11 @@ from vllm.inputs import TokensPrompt
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import RequestOutputKind
 
+from triton_vllm_multistep.checks import adapters as lora
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.engine.admission import lora_request
 from triton_vllm_multistep.engine.cpu_lora import BaseRowsPunicaWrapperCPU
 from triton_vllm_multistep.engine.factory import build_engine
-from triton_vllm_multistep.testing import lora
 
 MAX_TOKENS = 24
 PROMPTS = {"base": [1, 5, 9, 12], "alpha": [1, 5, 9, 12], "beta": [3, 8, 2, 44, 17], "alpha-seeded": [7, 7, 1]}

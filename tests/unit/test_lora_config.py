@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from triton_vllm_multistep.checks.adapters import MLP, write_adapter
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.settings import lora
 from triton_vllm_multistep.settings.parameters import ConfigError
 from triton_vllm_multistep.stub import codec
-from triton_vllm_multistep.testing.lora import MLP, write_adapter
 
 VOCAB = 100
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from triton_vllm_multistep.checks.adapters import write_adapter
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.engine import events
 from triton_vllm_multistep.engine.engine_args import engine_args_of
@@ -24,7 +25,6 @@ from triton_vllm_multistep.settings import (
     read_model_settings,
 )
 from triton_vllm_multistep.settings import backend as backend_module
-from triton_vllm_multistep.testing.lora import write_adapter
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from triton_vllm_multistep.demo import tiny_llama
+from triton_vllm_multistep.demo.cache import publish
+
 if TYPE_CHECKING:
     import torch
     from transformers import LlavaConfig
@@ -162,15 +165,13 @@ def _write_model(folder: Path, vocab_size: int, image_token_index: int) -> None:
 
 def build(root: Path, force: bool = False) -> Path:
     """Build `tiny-llava` under `root` unless present (its tokenizer's base model too); return its folder."""
-    from triton_vllm_multistep.demo import models
-
     target = root / NAME
     if (target / "model.safetensors").exists() and not force:
         return target
-    base = models.build(BASE_MODEL, root)
+    base = tiny_llama.build(BASE_MODEL, root)
 
     def write(staging: Path) -> None:
         vocab_size, image_token_index = _write_processor(base, staging)
         _write_model(staging, vocab_size, image_token_index)
 
-    return models.publish(target, write)
+    return publish(target, write)

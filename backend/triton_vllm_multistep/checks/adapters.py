@@ -1,9 +1,9 @@
-"""LoRA adapters for tests and benchmarks: constructed deterministically in PEFT's format, and the
-merged-weights reference outside vLLM.
+"""LoRA adapters for the GPU smoke check, tests and benchmarks: constructed deterministically in
+PEFT's format, and the merged-weights reference outside vLLM.
 
 Owns writing an adapter (adapter_config.json + adapter_model.safetensors, the files vLLM and PEFT
 load) from a seed for a local Llama-style model, and the merged model `W + (alpha / r) * B @ A`
-that transformers runs as the reference; must not be imported by product code.
+that transformers runs as the reference; must not be imported by serving code.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Test tools for image prompts: deterministic images, their base64 and file forms, transformers' greedy answer
-for the tiny LLaVA demo model, and a config-only M-RoPE model (Qwen2-VL) for the load refusal.
+"""Image prompts for the GPU smoke check and the tests: deterministic images, their base64 and file
+forms, transformers' greedy answer for the tiny LLaVA demo model, and a config-only M-RoPE model
+(Qwen2-VL) for the load refusal.
 
 Owns what the engine, served and GPU-smoke tests of image input share; imports torch and
 transformers lazily (only the reference needs them) and is never imported by serving code.
