@@ -18,6 +18,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import pytest
 
+from triton_vllm_multistep.checks.collector import EventCollector
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.engine import cpu_placement
 from triton_vllm_multistep.engine.events import EngineDied, EngineRequest, KvCacheStats, StepOutputs
@@ -44,32 +45,8 @@ def _requests() -> list[EngineRequest]:
     ]
 
 
-class Collector:
-    def __init__(self, expected: int) -> None:
-        self.events: list[Any] = []
-        self.states: list[KvCacheStats] = []
-        self.expected = expected
-        self.done = threading.Event()
-
-    def sink(self, event: Any) -> None:
-        self.events.append(event)
-        if isinstance(event, EngineDied) or len(self.finished()) >= self.expected:
-            self.done.set()
-
-    def finished(self) -> set[str]:
-        return {o.request_id for e in self.events if isinstance(e, StepOutputs) for o in e.outputs if o.finished}
-
-    def deltas(self) -> dict[str, list[list[int]]]:
-        found: dict[str, list[list[int]]] = {}
-        for event in self.events:
-            if isinstance(event, StepOutputs):
-                for output in event.outputs:
-                    found.setdefault(output.request_id, []).append(list(output.outputs[0].token_ids))
-        return found
-
-
-def _run(loop: Any, requests: list[EngineRequest]) -> Collector:
-    collector = Collector(len(requests))
+def _run(loop: Any, requests: list[EngineRequest]) -> EventCollector:
+    collector = EventCollector(expected=len(requests))
     loop.serve(collector.sink, on_state=collector.states.append, time_steps=True)
     for request in requests:
         loop.submit(request)
@@ -91,7 +68,7 @@ def _plain(value: Any) -> bool:
 
 
 @pytest.fixture(scope="module")
-def in_process() -> Collector:
+def in_process() -> EventCollector:
     args = _fields()
     from vllm import EngineArgs
 
@@ -112,7 +89,7 @@ def engine_process() -> Iterator[EngineProcess]:
 
 
 def test_the_engine_process_streams_the_same_steps_as_the_engine_thread(
-    in_process: Collector, engine_process: EngineProcess
+    in_process: EventCollector, engine_process: EngineProcess
 ) -> None:
     facts = engine_process.facts
     assert facts is not None and facts.num_scheduler_steps == STEPS and facts.max_model_len == 256
@@ -121,13 +98,13 @@ def test_the_engine_process_streams_the_same_steps_as_the_engine_thread(
     # Same tokens, delivered as the same one-output-per-step deltas, FINAL last.
     assert collected.deltas() == in_process.deltas()
     assert all(len(d) == 1 for deltas in collected.deltas().values() for d in deltas)
-    outputs = [o for e in collected.events if isinstance(e, StepOutputs) for o in e.outputs]
+    outputs = [o for e in collected.seen if isinstance(e, StepOutputs) for o in e.outputs]
     assert all(o.outputs[0].logprobs for o in outputs if o.request_id == "logprobs")
     assert collected.states and isinstance(collected.states[-1], KvCacheStats)
     # What crossed the pipe holds nothing of vLLM's, torch's or numpy's (as in the engine thread).
-    assert all(_plain(event) for event in [*collected.events, *collected.states])
-    assert all(_plain(event) for event in [*in_process.events, *in_process.states])
-    assert engine_process.healthy and not any(isinstance(e, EngineDied) for e in collected.events)
+    assert all(_plain(event) for event in [*collected.seen, *collected.states])
+    assert all(_plain(event) for event in [*in_process.seen, *in_process.states])
+    assert engine_process.healthy and not any(isinstance(e, EngineDied) for e in collected.seen)
 
 
 def test_stop_shuts_the_engine_process_down() -> None:
@@ -141,7 +118,7 @@ def test_stop_shuts_the_engine_process_down() -> None:
 
 
 def test_an_aborted_request_ends_and_the_others_finish(engine_process: EngineProcess) -> None:
-    collector = Collector(1)
+    collector = EventCollector(expected=1)
     aborted = threading.Event()
 
     def sink(event: Any) -> None:
@@ -162,7 +139,7 @@ def test_an_aborted_request_ends_and_the_others_finish(engine_process: EnginePro
 
 
 def test_a_killed_engine_process_fails_every_request_in_flight_once(engine_process: EngineProcess) -> None:
-    collector = Collector(99)
+    collector = EventCollector(expected=99)
     started = threading.Event()
 
     def sink(event: Any) -> None:
@@ -178,7 +155,7 @@ def test_a_killed_engine_process_fails_every_request_in_flight_once(engine_proce
     assert engine_process.pid is not None
     os.kill(engine_process.pid, signal.SIGKILL)
     assert collector.done.wait(60)
-    (died,) = [e for e in collector.events if isinstance(e, EngineDied)]
+    (died,) = [e for e in collector.seen if isinstance(e, EngineDied)]
     assert died.request_ids == ["a", "b"]
     assert "engine process exited" in died.message
     assert not engine_process.healthy and engine_process.error == died.message

@@ -16,7 +16,6 @@ import os
 os.environ["VLLM_USE_V1"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,12 +27,13 @@ from transformers import AutoTokenizer
 from vllm import EngineArgs
 
 from triton_vllm_multistep.checks import image_prompts as multimodal
+from triton_vllm_multistep.checks.collector import EventCollector
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.demo import tiny_llava
 from triton_vllm_multistep.engine.events import EngineRequest
 from triton_vllm_multistep.engine.factory import EngineBuildError, build_engine, cpu_multistep_config
 from triton_vllm_multistep.engine.gpu_multistep import WindowClosingEngine
-from triton_vllm_multistep.engine.loop import EngineLoop, RequestFailed, StepOutputs
+from triton_vllm_multistep.engine.loop import EngineLoop
 
 MAX_TOKENS = 24
 
@@ -83,36 +83,6 @@ def _requests(tokenizer: Any) -> dict[str, tuple[list[int], list[Image.Image], d
     }
 
 
-class Collector:
-    def __init__(self, expected: int) -> None:
-        self.tokens: dict[str, list[int]] = {}
-        self.prompt_tokens: dict[str, int] = {}
-        self.failed: dict[str, str] = {}
-        self.steps_per_output: set[int] = set()
-        self._ended: set[str] = set()
-        self._expected = expected
-        self.done = threading.Event()
-
-    def sink(self, event: Any) -> None:
-        if isinstance(event, StepOutputs):
-            for output in event.outputs:
-                delta = list(output.outputs[0].token_ids)
-                self.tokens.setdefault(output.request_id, []).extend(delta)
-                if output.prompt_tokens is not None:  # in a request's first output only
-                    self.prompt_tokens[output.request_id] = output.prompt_tokens
-                self.steps_per_output.add(len(delta))
-                if output.finished:
-                    self._end(output.request_id)
-        elif isinstance(event, RequestFailed):
-            self.failed[event.request_id] = event.message
-            self._end(event.request_id)
-
-    def _end(self, request_id: str) -> None:
-        self._ended.add(request_id)
-        if len(self._ended) >= self._expected:
-            self.done.set()
-
-
 def _serve(model_dir: Path, steps: int, requests: dict[str, tuple[list[int], list[Image.Image], dict[str, Any]]]):
     args = EngineArgs(
         model=str(model_dir),
@@ -124,7 +94,7 @@ def _serve(model_dir: Path, steps: int, requests: dict[str, tuple[list[int], lis
     )
     loop = EngineLoop(lambda: build_engine(args, stream_mode="step"))
     loop.start_engine()
-    collector = Collector(len(requests))
+    collector = EventCollector(expected=len(requests))
     try:
         assert loop.facts.images_per_prompt == 2 and loop.facts.multimodal
         loop.serve(collector.sink)
@@ -137,7 +107,7 @@ def _serve(model_dir: Path, steps: int, requests: dict[str, tuple[list[int], lis
 
 
 @pytest.fixture(scope="module")
-def served(model_dir: Path, tokenizer: Any) -> dict[str, Collector]:
+def served(model_dir: Path, tokenizer: Any) -> dict[str, EventCollector]:
     requests = _requests(tokenizer)
     batch = {steps: _serve(model_dir, steps, requests) for steps in (8, 1)}
     alone = _serve(model_dir, 8, {"red": requests["red"]})
@@ -145,7 +115,7 @@ def served(model_dir: Path, tokenizer: Any) -> dict[str, Collector]:
 
 
 def test_image_prompts_at_8_steps_equal_1_step_beside_each_other_and_text(
-    served: dict[str, Collector], tokenizer: Any
+    served: dict[str, EventCollector], tokenizer: Any
 ) -> None:
     multi, single = served["steps8"], served["steps1"]
     assert multi.failed == {} and single.failed == {}
@@ -157,7 +127,7 @@ def test_image_prompts_at_8_steps_equal_1_step_beside_each_other_and_text(
 
 
 def test_the_image_decides_the_answer_and_the_same_image_gives_the_same(
-    served: dict[str, Collector], tokenizer: Any
+    served: dict[str, EventCollector], tokenizer: Any
 ) -> None:
     tokens = served["steps8"].tokens
     assert tokens["red"] == tokens["red-again"]
@@ -166,7 +136,7 @@ def test_the_image_decides_the_answer_and_the_same_image_gives_the_same(
 
 
 def test_greedy_image_answers_equal_transformers_llava(
-    served: dict[str, Collector], model_dir: Path, tokenizer: Any
+    served: dict[str, EventCollector], model_dir: Path, tokenizer: Any
 ) -> None:
     red, noise = multimodal.solid_image(), multimodal.noise_image()
     cases = {
@@ -188,7 +158,7 @@ def test_a_prompt_the_processor_cannot_take_fails_alone_and_an_abort_while_proce
     args = EngineArgs(model=str(model_dir), dtype="float32", max_model_len=512, num_scheduler_steps=8, seed=0)
     loop = EngineLoop(lambda: build_engine(args, stream_mode="step"))
     loop.start_engine()
-    collector = Collector(4)
+    collector = EventCollector(expected=4)
     red = multimodal.solid_image()
     try:
         # Aborted before the engine thread serves: whether its prompt is still being processed or

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import threading
 from typing import Any
 
 os.environ["VLLM_USE_V1"] = "0"
@@ -21,11 +20,12 @@ import jsonschema
 import pytest
 from vllm import EngineArgs
 
+from triton_vllm_multistep.checks.collector import EventCollector
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.engine.constraints import ConstraintGuard
 from triton_vllm_multistep.engine.events import EngineRequest
 from triton_vllm_multistep.engine.factory import build_engine
-from triton_vllm_multistep.engine.loop import EngineLoop, RequestFailed, StepOutputs
+from triton_vllm_multistep.engine.loop import EngineLoop
 
 SCHEMA = {
     "type": "object",
@@ -69,43 +69,12 @@ def _requests() -> dict[str, tuple[list[int], Sampling]]:
     return requests
 
 
-class Collector:
-    def __init__(self, expected: int) -> None:
-        self.tokens: dict[str, list[int]] = {}
-        self.texts: dict[str, str] = {}
-        self.failed: dict[str, str] = {}
-        self.finish_reasons: dict[str, str | None] = {}
-        self.steps_per_output: set[int] = set()
-        self._ended: set[str] = set()
-        self._expected = expected
-        self.done = threading.Event()
-
-    def sink(self, event: Any) -> None:
-        if isinstance(event, StepOutputs):
-            for output in event.outputs:
-                delta = list(output.outputs[0].token_ids)
-                self.tokens.setdefault(output.request_id, []).extend(delta)
-                self.texts[output.request_id] = self.texts.get(output.request_id, "") + output.outputs[0].text
-                self.steps_per_output.add(len(delta))
-                if output.finished:
-                    self.finish_reasons[output.request_id] = output.outputs[0].finish_reason
-                    self._end(output.request_id)
-        elif isinstance(event, RequestFailed):
-            self.failed[event.request_id] = event.message
-            self._end(event.request_id)
-
-    def _end(self, request_id: str) -> None:
-        self._ended.add(request_id)
-        if len(self._ended) >= self._expected:
-            self.done.set()
-
-
-def _serve(steps: int, requests: dict[str, tuple[list[int], Sampling]]) -> Collector:
+def _serve(steps: int, requests: dict[str, tuple[list[int], Sampling]]) -> EventCollector:
     path = str(demo_models.build("tiny-llama-bpe"))
     args = EngineArgs(model=path, dtype="float32", max_model_len=256, num_scheduler_steps=steps, seed=0)
     loop = EngineLoop(lambda: build_engine(args, stream_mode="step"))
     loop.start_engine()
-    collector = Collector(len(requests))
+    collector = EventCollector(expected=len(requests))
     try:
         loop.serve(collector.sink)
         for request_id, (prompt, params) in requests.items():
@@ -117,12 +86,12 @@ def _serve(steps: int, requests: dict[str, tuple[list[int], Sampling]]) -> Colle
 
 
 @pytest.fixture(scope="module")
-def served() -> dict[int, Collector]:
+def served() -> dict[int, EventCollector]:
     requests = _requests()
     return {steps: _serve(steps, requests) for steps in (8, 1)}
 
 
-def test_every_constraint_gives_the_tokens_of_single_step_decoding(served: dict[int, Collector]) -> None:
+def test_every_constraint_gives_the_tokens_of_single_step_decoding(served: dict[int, EventCollector]) -> None:
     multi, single = served[8], served[1]
     assert multi.failed == {} and single.failed == {}
     assert set(multi.tokens) == set(_requests())
@@ -138,7 +107,7 @@ def json_of(request_id: str, text: str) -> Any:
         raise AssertionError(f"{request_id}: not JSON ({error}): {text!r}") from None
 
 
-def test_every_constrained_output_obeys_its_constraint(served: dict[int, Collector]) -> None:
+def test_every_constrained_output_obeys_its_constraint(served: dict[int, EventCollector]) -> None:
     for request_id, text in served[8].texts.items():
         if request_id.startswith("plain:"):
             continue

@@ -2,12 +2,17 @@
 
 Owns turning an EngineLoop's or EngineProcess's events (StepOutputs, RequestFailed, EngineDied) into
 per-request Streams, with the engine's execute_model calls counted when the engine is in this
-process; the GPU smoke check and the engine tests use it. Must not submit requests.
+process; the GPU smoke check and the engine tests use it. Two ways to read: `collect` /
+`outputs_of` take events in order from a queue into the Streams a caller names (the smoke check,
+which reuses request ids), and every event is also kept (`seen`) and assembled as it arrives into
+`streams` by request id, with `done` set once `expected` requests ended or the engine died (the
+engine tests). Must not submit requests.
 """
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,10 +26,16 @@ class EventCollector:
     """The loop's sink: every event, with how many execute_model calls the engine had made by then
     (counted for an engine in this process; None: an engine process's events, not counted)."""
 
-    def __init__(self, engine: Any = None) -> None:
+    def __init__(self, engine: Any = None, expected: int | None = None) -> None:
         self.events: queue.Queue[tuple[Any, int]] = queue.Queue()
         self.execute_calls = 0
         self.step_events = 0  # StepOutputs events read by collect()
+        self.seen: list[Any] = []  # every event, in the order the runner handed them over
+        self.states: list[Any] = []  # KvCacheStats, for a runner given `on_state=collector.states.append`
+        self.streams: dict[str, Stream] = {}  # each request's stream as its events arrive (ids used once)
+        self.done = threading.Event()  # `expected` requests ended (finished or failed), or the engine died
+        self._expected = expected
+        self._ended: set[str] = set()
         if engine is None:
             return
         execute_model = engine.model_executor.execute_model
@@ -36,7 +47,68 @@ class EventCollector:
         engine.model_executor.execute_model = counted
 
     def sink(self, event: Any) -> None:
+        self.seen.append(event)
+        self._assemble(event)
         self.events.put((event, self.execute_calls))
+
+    def _assemble(self, event: Any) -> None:
+        from triton_vllm_multistep.engine.events import EngineDied, RequestFailed, StepOutputs
+
+        if isinstance(event, StepOutputs):
+            for output in event.outputs:
+                stream = self.streams.setdefault(output.request_id, Stream())
+                completion = output.outputs[0]
+                stream.deltas.append(list(completion.token_ids))
+                stream.text += completion.text
+                if stream.prompt_tokens is None and output.prompt_tokens is not None:  # a request's first output
+                    stream.prompt_tokens = output.prompt_tokens
+                if output.finished:
+                    stream.finished, stream.finish_reason = True, completion.finish_reason
+                    self._end(output.request_id)
+        elif isinstance(event, RequestFailed):
+            self.streams.setdefault(event.request_id, Stream()).failure = event.message
+            self._end(event.request_id)
+        elif isinstance(event, EngineDied):
+            self.done.set()
+
+    def _end(self, request_id: str) -> None:
+        self._ended.add(request_id)
+        if self._expected is not None and len(self._ended) >= self._expected:
+            self.done.set()
+
+    # Views of `streams`, as the engine tests compare them.
+    @property
+    def tokens(self) -> dict[str, list[int]]:
+        """Request id → every token it streamed (requests that streamed any)."""
+        return {request_id: stream.tokens for request_id, stream in self.streams.items() if stream.deltas}
+
+    @property
+    def texts(self) -> dict[str, str]:
+        return {request_id: stream.text for request_id, stream in self.streams.items() if stream.deltas}
+
+    @property
+    def failed(self) -> dict[str, str]:
+        """Request id → the engine's message, for each request it failed."""
+        return {request_id: s.failure for request_id, s in self.streams.items() if s.failure is not None}
+
+    @property
+    def finish_reasons(self) -> dict[str, str | None]:
+        return {request_id: s.finish_reason for request_id, s in self.streams.items() if s.finished}
+
+    @property
+    def prompt_tokens(self) -> dict[str, int]:
+        return {request_id: s.prompt_tokens for request_id, s in self.streams.items() if s.prompt_tokens is not None}
+
+    @property
+    def steps_per_output(self) -> set[int]:
+        """The token counts of every output of every request (one per decoded step: {1})."""
+        return {len(delta) for stream in self.streams.values() for delta in stream.deltas}
+
+    def finished(self) -> set[str]:
+        return {request_id for request_id, stream in self.streams.items() if stream.finished}
+
+    def deltas(self) -> dict[str, list[list[int]]]:
+        return {request_id: stream.deltas for request_id, stream in self.streams.items() if stream.deltas}
 
     def outputs_of(self, request_id: str, until_finished: bool = True, count: int | None = None) -> list[tuple]:
         """(RequestOutput, execute calls, arrival perf_counter) of one request, in order."""

@@ -60,6 +60,7 @@ class Stream:
     finish_reason: str | None = None
     failure: str | None = None
     steps: set[int] = field(default_factory=set)
+    prompt_tokens: int | None = None  # the prompt as the engine counts it (image placeholders expanded)
 
     @property
     def tokens(self) -> list[int]:
