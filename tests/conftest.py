@@ -46,6 +46,20 @@ def demo_model_paths() -> dict[str, Path]:
     return {name: demo_models.build(name) for name in demo_models.DEMO_MODELS}
 
 
+# The tiers run fastest first (unit, engine, then e2e): a broken unit shows within a minute, and the
+# e2e tier's session servers (GBs of engines) start after the engine tier has finished, instead of
+# sitting beside it until the session ends.
+_TIER_ORDER = {"unit": 0, "engine": 1, "e2e": 2}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def tier(item: pytest.Item) -> int:
+        parts = item.nodeid.split("/")
+        return _TIER_ORDER.get(parts[1], len(_TIER_ORDER)) if len(parts) > 2 and parts[0] == "tests" else 0
+
+    items.sort(key=tier)  # stable: each tier keeps pytest's own order
+
+
 # Wall time per tier (setup, call and teardown of its tests: its servers' starts and stops count
 # where they happen), printed at the end of every run so that each tier's budget is visible.
 _TIER_SECONDS: dict[str, float] = {}
