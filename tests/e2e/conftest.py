@@ -129,8 +129,15 @@ def smollm2_server(smollm2_lora_server: ServerProcess) -> ServerProcess:
 
 @pytest.fixture(scope="session")
 def references() -> reference_answers.References:
-    """Every reference answer outside Triton (references.py), cached on disk across sessions."""
-    return reference_answers.compute_all()
+    """Every reference answer outside Triton (references.py), cached on disk across sessions. The
+    environment is left as found: vLLM's CPU platform writes thread settings into os.environ, which
+    the session servers started next would inherit as if the user had chosen them."""
+    environment = dict(os.environ)
+    try:
+        return reference_answers.compute_all()
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
 
 
 @pytest.fixture(scope="session", autouse=True)
