@@ -7,7 +7,11 @@ so both demo tokenizers are covered.
 
 A second session server (`smollm2_lora_server`) serves the README's LoRA repository (the real
 model with `pirate` and `shout`) plus a single-step copy, with the OpenAI API: the real-model
-LoRA checks and the OpenAI checks share it (one start of the real model instead of two).
+LoRA checks, the other real-model checks (test_real_model.py) and the OpenAI checks share it: the
+only start of the real model in a session. Its `vllm_model` has LoRA on; base requests carry no adapter.
+
+References outside Triton (offline vLLM, transformers, merged LoRA; references.py) are computed or
+read from their disk cache once per session, before the first end-to-end test starts any server.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from private_servers import readme_lora_repository, serving
+import references as reference_answers
+import tritonclient.grpc as grpcclient
+from private_servers import model_ready, readme_lora_repository, serving
 from served_models import (
     LLM_MODEL,
     LLM_VARIANTS,
@@ -95,8 +101,10 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="session")
 def smollm2_lora_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """The README's LoRA repository made by its commands, plus a single-step copy of its LLM model
-    (LoRA on too), every model loaded, with the OpenAI API (`--openai-port`, `--openai-api-key`)."""
+    """The README's LoRA repository made by its commands (the shipped repository on the real model,
+    LoRA switched on by the README's sed: its `vllm_model` serves base requests, carrying no adapter,
+    and the demo adapters), plus a single-step copy of its LLM model (LoRA on too), every model loaded
+    (the ensemble too), with the OpenAI API (`--openai-port`, `--openai-api-key`)."""
     root = tmp_path_factory.mktemp("smollm2-lora")
     repository = readme_lora_repository(root / "lora_repository")
     assert '"enable_lora": true' in (repository / LLM_MODEL / "1" / "model.json").read_text()
@@ -107,3 +115,52 @@ def smollm2_lora_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
         # Raises with the log if the launcher stops instead (it does when the OpenAI server exits).
         server.wait_openai_ready()
         yield server
+
+
+@pytest.fixture
+def smollm2_server(smollm2_lora_server: ServerProcess) -> ServerProcess:
+    """The session's SmolLM2 LoRA server with its single-step copy loaded (loaded again if the OpenAI
+    checks' unload ran first: it runs last of this server's users, see pytest_collection_modifyitems)."""
+    if not model_ready(smollm2_lora_server, STEPS1):
+        with grpcclient.InferenceServerClient(smollm2_lora_server.grpc_url) as client:
+            client.load_model(STEPS1)
+    return smollm2_lora_server
+
+
+@pytest.fixture(scope="session")
+def references() -> reference_answers.References:
+    """Every reference answer outside Triton (references.py), cached on disk across sessions. The
+    environment is left as found: vLLM's CPU platform writes thread settings into os.environ, which
+    the session servers started next would inherit as if the user had chosen them."""
+    environment = dict(os.environ)
+    try:
+        return reference_answers.compute_all()
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def references_before_servers(request: pytest.FixtureRequest) -> None:
+    """The references, made before any server of the session starts (an offline engine beside a
+    server would compete with it for the host's cores and memory), when a collected test uses them."""
+    if any("references" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        request.getfixturevalue("references")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "stops_smollm2_model: unloads a model of smollm2_lora_server; runs after its other users"
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that unloads a model of the SmolLM2 server runs after every other test using that
+    server (a reload after it was seen to hold the server's stop for its whole exit timeout)."""
+    users = [i for i, item in enumerate(items) if "smollm2_lora_server" in getattr(item, "fixturenames", ())]
+    stoppers = [item for item in items if item.get_closest_marker("stops_smollm2_model")]
+    if not users or not stoppers:
+        return
+    last = users[-1]
+    kept = [item for item in items[: last + 1] if item not in stoppers]
+    items[:] = kept + stoppers + [item for item in items[last + 1 :] if item not in stoppers]

@@ -1,13 +1,13 @@
 """The LLM model end to end through the real tritonserver: streaming, exactness, errors, cancel.
 
 References come from the same demo models run offline by vLLM (LLM.generate) and by Hugging
-Face transformers, so "correct" means token-for-token equal to both.
+Face transformers (references.py, computed before the server started and cached on disk), so
+"correct" means token-for-token equal to both.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import re
 import time
@@ -15,52 +15,17 @@ import time
 import numpy as np
 import pytest
 import requests
-import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
+from references import TINY_BPE, TINY_GREEDY, TINY_MAX_TOKENS, TINY_PROMPTS, TINY_SPM, References
 from served_models import LLM_MODEL, TOKENIZER_MODELS
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 from triton_clients import StreamResult, aio_generate, grpc_generate, http_generate, make_inputs
 
-PROMPTS = [
-    "Hello world, the model",
-    "你好 世界 模型 🚀 café",
-    "people write code",
-    "a",
-]
-MAX_TOKENS = 24
-GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
-DEMO_FOR_STYLE = {"bytelevel": "tiny-llama-bpe", "metaspace": "tiny-llama-spm"}
-
-
-@pytest.fixture(scope="module")
-def offline_references(demo_model_paths: dict) -> dict[str, list[tuple[list[int], str]]]:
-    """Greedy (token ids, text) per prompt from offline vLLM, for both tokenizer styles."""
-    from vllm import LLM, SamplingParams
-
-    references = {}
-    for style, demo in DEMO_FOR_STYLE.items():
-        llm = LLM(str(demo_model_paths[demo]), dtype="float32", max_model_len=1024, seed=0, enforce_eager=True)
-        outputs = llm.generate(PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)
-        references[style] = [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in outputs]
-        del llm
-        gc.collect()
-    return references
-
-
-def hf_greedy(path, prompt: str, tokens: int) -> list[int]:
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
-    ids = torch.tensor([tokenizer.encode(prompt)])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=tokens,
-        min_new_tokens=tokens,
-        do_sample=False,
-        pad_token_id=tokenizer.eos_token_id,
-    )
-    return out[0, ids.shape[1] :].tolist()
+PROMPTS = list(TINY_PROMPTS)
+MAX_TOKENS = TINY_MAX_TOKENS
+GREEDY = TINY_GREEDY
+DEMO_FOR_STYLE = {"bytelevel": TINY_BPE, "metaspace": TINY_SPM}
 
 
 def assert_single_final(result: StreamResult) -> None:
@@ -68,11 +33,10 @@ def assert_single_final(result: StreamResult) -> None:
 
 
 @pytest.mark.parametrize("style", sorted(TOKENIZER_MODELS))
-def test_greedy_streamed_equals_whole_equals_offline_vllm_and_hf(
-    server, offline_references, demo_model_paths, style: str
-) -> None:
+def test_greedy_streamed_equals_whole_equals_offline_vllm_and_hf(server, references: References, style: str) -> None:
     model = TOKENIZER_MODELS[style]
-    for prompt, (ref_ids, ref_text) in zip(PROMPTS, offline_references[style], strict=True):
+    offline = references.tiny_offline[DEMO_FOR_STYLE[style]]
+    for prompt, (ref_ids, ref_text) in zip(PROMPTS, offline, strict=True):
         streamed = grpc_generate(server.grpc_url, model, prompt=prompt, sampling=GREEDY, stream=True)
         whole = grpc_generate(
             server.grpc_url, model, prompt=prompt, sampling=GREEDY, stream=False, exclude_input_in_output=True
@@ -86,7 +50,7 @@ def test_greedy_streamed_equals_whole_equals_offline_vllm_and_hf(
         for response in streamed.data_responses:
             response["text_output"][0].decode("utf-8")  # every delta is valid UTF-8 on its own
     # Hugging Face on one prompt per style (slow-ish): token-for-token the same.
-    assert hf_greedy(demo_model_paths[DEMO_FOR_STYLE[style]], PROMPTS[0], MAX_TOKENS) == offline_references[style][0][0]
+    assert references.tiny_hf_first[DEMO_FOR_STYLE[style]] == offline[0][0]
 
 
 @pytest.mark.parametrize("model", [LLM_MODEL, "vllm_model_steps1"])

@@ -3,9 +3,9 @@ repository, `enable_lora` turned on with sed), the demo adapters of the shipped 
 (`pirate`, `shout`, trained locally by set-up) through the ensemble and the client example.
 
 Each adapter visibly changes the answer, gives the same tokens at steps 8 as at steps 1, and the
-same as transformers with the adapter merged into the weights. On the session's SmolLM2 LoRA
-server (conftest.py), shared with the OpenAI checks. Owns the real-model LoRA checks; must not
-assert on timings.
+same as transformers with the adapter merged into the weights (references.py, computed before the
+server started). On the session's SmolLM2 LoRA server (conftest.py), shared with the other
+real-model checks and the OpenAI checks. Owns the real-model LoRA checks; must not assert on timings.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import tritonclient.grpc as grpcclient
-from private_servers import REPO_ROOT, model_ready
+from private_servers import REPO_ROOT
+from references import LORA_MAX_TOKENS, LORA_QUESTION, References, chat_ids
 from served_models import LLM_MODEL, STEPS1
-from test_real_model import chat_ids
 from transformers import AutoTokenizer
 from triton_clients import grpc_generate
 
@@ -28,21 +27,17 @@ from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.testing.local_server import ServerProcess
 
 README = (REPO_ROOT / "README.md").read_text()
-QUESTION = "What is the capital of France?"
+QUESTION = LORA_QUESTION
 
 
-@pytest.fixture(scope="module")
-def lora_real_server(smollm2_lora_server: ServerProcess) -> ServerProcess:
-    """The README's LoRA repository made by its commands, plus a single-step copy (conftest.py); the
-    single-step copy loaded again if the OpenAI checks' unload ran first."""
-    if not model_ready(smollm2_lora_server, STEPS1):
-        with grpcclient.InferenceServerClient(smollm2_lora_server.grpc_url) as client:
-            client.load_model(STEPS1)
-    return smollm2_lora_server
+@pytest.fixture
+def lora_real_server(smollm2_server: ServerProcess) -> ServerProcess:
+    """The README's LoRA repository made by its commands, plus a single-step copy, loaded (conftest.py)."""
+    return smollm2_server
 
 
 def _answer(server: ServerProcess, ids: list[int], adapter: str | None, model: str = LLM_MODEL) -> list[int]:
-    sampling = {"temperature": 0, "max_tokens": 24, **({"lora_name": adapter} if adapter else {})}
+    sampling = {"temperature": 0, "max_tokens": LORA_MAX_TOKENS, **({"lora_name": adapter} if adapter else {})}
     result = grpc_generate(server.grpc_url, model, input_ids=ids, sampling=sampling, stream=True)
     assert result.error is None and result.finals == 1, result.error
     return result.token_ids()
@@ -61,17 +56,16 @@ def test_the_readme_client_example_answers_like_a_pirate(lora_real_server: Serve
 
 @pytest.mark.parametrize("adapter", ["pirate", "shout"])
 def test_each_demo_adapter_changes_the_answer_equals_steps_1_and_transformers_with_it_merged(
-    lora_real_server: ServerProcess, adapter: str
+    lora_real_server: ServerProcess, references: References, adapter: str
 ) -> None:
     folder = Path(demo_models.resolve("demo://smollm2-135m-instruct")).resolve()
-    adapter_dir = Path(demo_models.build("smollm2-135m-instruct-lora")) / adapter
     tokenizer = AutoTokenizer.from_pretrained(folder)
     ids = chat_ids(tokenizer, QUESTION)
     base = _answer(lora_real_server, ids, None)
     tokens = _answer(lora_real_server, ids, adapter)
     assert tokens != base
     assert tokens == _answer(lora_real_server, ids, adapter, STEPS1)
-    assert tokens == lora.greedy_ids(lora.merged_model(folder, adapter_dir), ids, 24, stop_at_eos=True)
+    assert tokens == references.lora_merged[adapter]  # transformers, the adapter merged into the weights
     text = tokenizer.decode(tokens, skip_special_tokens=True)
     if adapter == "shout":
         letters = [c for c in text if c.isalpha()]

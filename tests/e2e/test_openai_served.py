@@ -262,12 +262,14 @@ def test_triton_openai_frontends_requests_for_a_vllm_model_are_served(
     assert pirate.error is None and pirate.text() != answer.text()
 
 
+@pytest.mark.stops_smollm2_model
 def test_an_unloaded_model_answers_503_and_health_says_so(
     client: openai.OpenAI, openai_server: tuple[ServerProcess, str]
 ) -> None:
-    """Last in the module, and the last user of the session's server in a whole run (modules run in
-    name order): the model stays unloaded (a reload here was seen to hold the server's stop for its
-    whole exit timeout); test_lora_real_model.py loads it again should it run later."""
+    """The last user of the session's SmolLM2 server (its marker: conftest.py moves it after the
+    other users, test_real_model.py's included): the model stays unloaded (a reload here was seen to
+    hold the server's stop for its whole exit timeout); the `smollm2_server` fixture loads it again
+    should a user of it run later all the same."""
     server, base = openai_server
     assert requests.post(f"{server.http_url}/v2/repository/models/{STEPS1}/unload", timeout=60).status_code == 200
     assert wait_for(lambda: _status(f"{server.http_url}/v2/models/{STEPS1}/ready") != 200, timeout=120)
