@@ -22,7 +22,6 @@ from served_models import LLM_MODEL, STEPS1
 from transformers import AutoTokenizer
 from triton_clients import grpc_generate
 
-from triton_vllm_multistep.checks import adapters as lora
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.testing.local_server import ServerProcess
 
