@@ -193,7 +193,7 @@ def _hf_tiny(folder: Path, prompt: str, tokens: int) -> list[int]:
 
 
 def _merged_lora(folder: Path, adapter_dir: Path, ids: list[int]) -> list[int]:
-    from triton_vllm_multistep.testing import lora
+    from triton_vllm_multistep.checks import adapters as lora
 
     return lora.greedy_ids(lora.merged_model(folder, adapter_dir), ids, LORA_MAX_TOKENS, stop_at_eos=True)
 
