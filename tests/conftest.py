@@ -5,10 +5,13 @@ Tiers: unit/ (no vLLM engine, no server), engine/ (real vLLM, no server), e2e/ (
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from pathlib import Path
 
 import pytest
+import scheduling
 
 os.environ.setdefault("VLLM_USE_V1", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -60,14 +63,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=tier)  # stable: each tier keeps pytest's own order
 
 
-# Wall time per tier (setup, call and teardown of its tests: its servers' starts and stops count
-# where they happen), printed at the end of every run so that each tier's budget is visible.
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> scheduling.HeaviestFirstScheduling:
+    """With `-n`: whole modules per worker, the SmolLM2 server's users together (tests/scheduling.py)."""
+    return scheduling.HeaviestFirstScheduling(config, log)
+
+
+# Time per tier (setup, call and teardown of its tests: its servers' starts and stops count where
+# they happen), printed at the end of every run so that each tier's budget is visible. With xdist
+# the tiers' times add up over the workers, so the run's wall time is printed too.
 _TIER_SECONDS: dict[str, float] = {}
+_MODULE_SECONDS: dict[str, float] = {}
+_STARTED = [time.monotonic()]
+RECORD_MODULE_SECONDS = "TRITON_VLLM_MULTISTEP_RECORD_MODULE_SECONDS"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _STARTED[0] = time.monotonic()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     tier = report.nodeid.split("/")[1] if report.nodeid.startswith("tests/") else "other"
     _TIER_SECONDS[tier] = _TIER_SECONDS.get(tier, 0.0) + report.duration
+    module = scheduling.module_of(report.nodeid)
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -81,3 +99,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     for tier, seconds in sorted(_TIER_SECONDS.items()):
         terminalreporter.write_line(f"{tier:>8}: {seconds:7.1f} s")
     terminalreporter.write_line(f"{'tests':>8}: {sum(_TIER_SECONDS.values()):7.1f} s")
+    terminalreporter.write_line(f"{'wall':>8}: {time.monotonic() - _STARTED[0]:7.1f} s (from the session's start)")
+    if os.environ.get(RECORD_MODULE_SECONDS) and exitstatus == 0:  # weights for tests/scheduling.py
+        measured = scheduling.read_module_seconds()  # a partial run (-k, one tier) updates its modules
+        measured.update({module: round(seconds, 1) for module, seconds in _MODULE_SECONDS.items()})
+        scheduling.MODULE_SECONDS_FILE.write_text(json.dumps(dict(sorted(measured.items())), indent=1) + "\n")
+        terminalreporter.write_line(f"module seconds written to {scheduling.MODULE_SECONDS_FILE}")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import references as reference_answers
+import scheduling
 import tritonclient.grpc as grpcclient
 from private_servers import model_ready, readme_lora_repository, serving
 from served_models import (
@@ -143,7 +144,11 @@ def references() -> reference_answers.References:
 @pytest.fixture(scope="session", autouse=True)
 def references_before_servers(request: pytest.FixtureRequest) -> None:
     """The references, made before any server of the session starts (an offline engine beside a
-    server would compete with it for the host's cores and memory), when a collected test uses them."""
+    server would compete with it for the host's cores and memory), when a collected test uses them.
+    Under xdist each worker collects every test but runs a share: there they are made when first
+    used (references.compute_all lets one worker compute and the other read)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     if any("references" in getattr(item, "fixturenames", ()) for item in request.session.items):
         request.getfixturevalue("references")
 
@@ -156,8 +161,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that unloads a model of the SmolLM2 server runs after every other test using that
-    server (a reload after it was seen to hold the server's stop for its whole exit timeout)."""
+    server (a reload after it was seen to hold the server's stop for its whole exit timeout). Every
+    user of that server is in scheduling.SMOLLM2_SERVER_MODULES, so that xdist runs them on one
+    worker: one start of the real model per run."""
     users = [i for i, item in enumerate(items) if "smollm2_lora_server" in getattr(item, "fixturenames", ())]
+    unlisted = sorted({scheduling.module_of(items[i].nodeid) for i in users} - set(scheduling.SMOLLM2_SERVER_MODULES))
+    if unlisted:
+        raise pytest.UsageError(f"{', '.join(unlisted)} use smollm2_lora_server: list them in "
+                                "tests/scheduling.py SMOLLM2_SERVER_MODULES")  # fmt: skip
     stoppers = [item for item in items if item.get_closest_marker("stops_smollm2_model")]
     if not users or not stoppers:
         return

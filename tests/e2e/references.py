@@ -10,6 +10,7 @@ computed; knows nothing about servers or what a test asserts.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import hashlib
 import json
@@ -199,7 +200,15 @@ def _merged_lora(folder: Path, adapter_dir: Path, ids: list[int]) -> list[int]:
 
 
 def compute_all() -> References:
-    """Every reference, from the cache where it is there, else computed (one engine per model)."""
+    """Every reference, from the cache where it is there, else computed (one engine per model). One
+    process at a time (xdist's workers): the second waits, then reads what the first computed."""
+    cache_folder().mkdir(parents=True, exist_ok=True)
+    with open(cache_folder() / "compute.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _compute_all()
+
+
+def _compute_all() -> References:
     from transformers import AutoTokenizer
 
     real = demo_models.build(REAL).resolve()

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(not ipex_available(), reason="prefix caching on 
 
 BLOCK_SIZE = 16
 # Room for the mixed phase without caching; the preemption phase cannot fit, with or without it.
-NUM_BLOCKS = 96
+NUM_BLOCKS = 64
 ABORT_AFTER_OUTPUTS = 3
 LOGPROB_TOLERANCE = 5e-3
 TIE_TOLERANCE = 1e-3
@@ -75,17 +75,23 @@ def _mixed_requests() -> list[tuple[int, Request]]:
     ]
 
 
+# Words that give each preemption request a prompt of its own after the shared system prompt.
+FILLER = "apple river stone cloud music paper garden window bottle candle forest silver".split()
+
+
 def _preemption_requests() -> list[Request]:
     """More KV cache than NUM_BLOCKS holds even with the system prompt's blocks shared (greedy, with
-    the top-2 logprobs that tell a numerical tie from a wrong token)."""
+    the top-2 logprobs that tell a numerical tie from a wrong token). The pressure comes from long
+    prompts of their own (one prefill step each) rather than long answers (one step per token): the
+    same preemptions, evictions and recomputed prefixes in a fraction of the engine steps."""
     topics = ["hello world", "the quick brown fox", "cats sleep near warm windows", "rivers run"]
     return [
         (
             f"preempt-{i}",
-            f"{SYSTEM}{topics[i % 4]} {i}",
-            SamplingParams(max_tokens=70 + i % 5, temperature=0.0, logprobs=2),
+            f"{SYSTEM}{topics[i % 4]} {i}" + "".join(f" {word}{i}" for word in FILLER),
+            SamplingParams(max_tokens=24 + i % 5, temperature=0.0, logprobs=2),
         )
-        for i in range(24)
+        for i in range(20)
     ]
 
 
