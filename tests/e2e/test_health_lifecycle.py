@@ -481,7 +481,9 @@ def test_sigterm_to_tritonserver_drains_then_ends_every_stream_and_leaves_no_pro
     finally:
         server.stop()
     assert code == 0, server.log_tail()
-    assert DRAIN <= took < EXIT_TIMEOUT, took
+    # The drain was honoured; that Triton's exit timeout did not expire is read from its log below
+    # (_assert_clean_exit): the wall time also counts the processes' exit, which a busy host slows.
+    assert DRAIN <= took, took
     _assert_drained(finished, ended, "the model is being unloaded (or the server is stopping)")
     log = _assert_clean_exit(server, processes)
     assert f"these may finish for up to {DRAIN:.1f} s" in log
