@@ -13,7 +13,9 @@ REAL_MODEL = "demo://smollm2-135m-instruct"
 # The shipped repository serves the real model; the tests' exactness checks run on the tiny demo
 # model (fast, and far from greedy ties), so the test repository's pipeline uses it instead.
 TINY_MODEL = "demo://tiny-llama-bpe"
-TINY_ENGINE = {"model": TINY_MODEL, "max_model_len": 1024}
+# 2,048 KV-cache blocks (32K tokens, 128 MB on this model) instead of the 16,384 of 1 GiB: room for
+# every test's batch, and a session's servers fit in memory beside each other on two xdist workers.
+TINY_ENGINE = {"model": TINY_MODEL, "max_model_len": 1024, "num_gpu_blocks_override": 2048}
 # Test variants of the shipped LLM model: name → model.json overrides.
 LLM_VARIANTS = {
     "vllm_model_spm": {"model": "demo://tiny-llama-spm"},
