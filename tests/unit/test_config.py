@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -206,3 +207,33 @@ def test_parallel_size_is_read_from_model_json_before_engine_args(engine_json: d
     """The instance's device environment (KIND_GPU: one GPU, refused with TP > 1) is set from this,
     before the engine process starts and before EngineArgs checks the values."""
     assert model_json.parallel_size(engine_json) == expected
+
+
+def test_the_engine_is_multistep_unless_v1_is_chosen_and_v1_gets_no_multistep_default(tmp_path: Path) -> None:
+    assert settings({}).vllm_engine == "multistep"
+    assert settings({"vllm_engine": " V1 "}).vllm_engine == "v1"
+    assert not settings(
+        {"vllm_engine": "v1", "use_ipex": "auto"}, {"model": "m", "enable_prefix_caching": True}
+    ).use_ipex
+    engine = {"model": "/models/m"}
+    assert model_json.engine_values(engine, tmp_path, "step", "v1") == {"model": "/models/m", "disable_log_stats": True}
+    steps = model_json.engine_values(engine, tmp_path, "step")
+    assert steps["num_scheduler_steps"] == 8 and steps["multi_step_stream_outputs"] is True
+
+
+@pytest.mark.parametrize(
+    ("parameters", "engine", "message"),
+    [
+        ({"vllm_engine": "v2"}, {}, "'vllm_engine' must be one of multistep, v1, got 'v2'"),
+        ({}, {"num_scheduler_steps": 8}, "'vllm_engine'='v1' and model.json 'num_scheduler_steps'=8 disagree"),
+        ({}, {"multi_step_stream_outputs": False}, "model.json 'multi_step_stream_outputs'=false disagree"),
+        ({"stream_mode": "window"}, {}, "'vllm_engine'='v1' and 'stream_mode'='window' disagree"),
+        ({"engine_process": "false"}, {}, "'vllm_engine'='v1' and 'engine_process'='false' disagree"),
+        ({"use_ipex": "true"}, {}, "'vllm_engine'='v1' and 'use_ipex'='true' disagree"),
+    ],
+)
+def test_multistep_settings_on_a_v1_model_are_a_load_error_naming_both(
+    parameters: dict[str, str], engine: dict, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        settings({"vllm_engine": "v1", **parameters}, {"model": "m", **engine})

@@ -8,6 +8,7 @@ files (settings/model.py does) or import vLLM.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -52,6 +53,15 @@ class Limits:
 ResponseMode = Literal["step", "window", "merge"]
 RESPONSE_MODES: tuple[ResponseMode, ...] = ("step", "window", "merge")
 MAX_STREAM_INTERVAL = 1024
+# config.pbtxt `vllm_engine`: which vLLM engine serves the model. "multistep": vLLM 0.8.5's V0 engine
+# with multi-step scheduling, in the server's own environment (the default); "v1": vLLM's current
+# engine, in an environment of its own (its engine process and tokenizer under another Python).
+EngineKind = Literal["multistep", "v1"]
+ENGINE_KINDS: tuple[EngineKind, ...] = ("multistep", "v1")
+ENGINE_PARAMETER = "vllm_engine"
+# model.json fields that exist only for multi-step scheduling: on V1 a load error naming both.
+MULTI_STEP_ONLY_ENGINE_ARGS = ("num_scheduler_steps", "multi_step_stream_outputs")
+
 # What the engine is built with: engine/events.py's StreamMode, the same two values (written out
 # here because settings import nothing of the engine; tests/unit/test_model_settings.py keeps them equal).
 StreamMode = Literal["step", "window"]
@@ -66,6 +76,8 @@ def engine_stream_mode(mode: ResponseMode) -> StreamMode:
 class BackendSettings:
     """Everything the backend needs besides the engine arguments."""
 
+    # config.pbtxt `vllm_engine`
+    vllm_engine: EngineKind = "multistep"
     # config.pbtxt `stream_mode`; model.json's `multi_step_stream_outputs` (vLLM's name) is an alias.
     stream_mode: ResponseMode = "step"
     # config.pbtxt `stream_interval`: engine outputs per streamed response (a request may set its own).
@@ -90,6 +102,45 @@ class BackendSettings:
     # config.pbtxt `engine_cpus` (a CPU list; empty: unset): the engine process's CPUs, and the
     # stub's threads kept off them (engine/cpu_placement.py). Needs the engine process.
     engine_cpus: tuple[int, ...] = ()
+
+
+def vllm_engine_setting(params: dict[str, str], engine_json: dict[str, Any]) -> EngineKind:
+    """config.pbtxt `vllm_engine`, checked against the multi-step-only settings it contradicts."""
+    text = params.get(ENGINE_PARAMETER, "").strip().lower() or "multistep"
+    if text not in ENGINE_KINDS:
+        raise ConfigError(
+            f"config.pbtxt parameter {ENGINE_PARAMETER!r} must be one of {', '.join(ENGINE_KINDS)}, got {text!r}"
+        )
+    if text == "v1":
+        for name in MULTI_STEP_ONLY_ENGINE_ARGS:
+            if name in engine_json:
+                raise ConfigError(
+                    f"config.pbtxt parameter {ENGINE_PARAMETER!r}='v1' and model.json {name!r}="
+                    f"{json_text(engine_json[name])} disagree: vLLM's V1 engine has no multi-step scheduling; "
+                    f"remove {name!r} or serve the model with {ENGINE_PARAMETER} 'multistep'"
+                )
+        if params.get("stream_mode", "").strip().lower() == "window":
+            raise ConfigError(
+                f"config.pbtxt parameters {ENGINE_PARAMETER!r}='v1' and 'stream_mode'='window' disagree: a "
+                "scheduling window is multi-step's; V1 streams every step ('step') or merges them ('merge')"
+            )
+        for name in ("engine_process", "use_ipex"):
+            value = params.get(name, "").strip()
+            if value and true_false_or_auto(name, value) is (name == "use_ipex"):
+                raise ConfigError(
+                    f"config.pbtxt parameters {ENGINE_PARAMETER!r}='v1' and {name!r}={value!r} disagree: "
+                    + (
+                        "a V1 engine always runs in a process of its own, under its environment's Python"
+                        if name == "engine_process"
+                        else "the V1 environment has no Intel Extension for PyTorch"
+                    )
+                )
+    return text  # type: ignore[return-value]  # checked against ENGINE_KINDS above
+
+
+def json_text(value: Any) -> str:
+    """A model.json value as JSON writes it (true, not True), for messages."""
+    return json.dumps(value)
 
 
 def stream_mode_setting(params: dict[str, str], engine_json: dict[str, Any]) -> ResponseMode:
@@ -161,6 +212,7 @@ def use_ipex_setting(model_config: dict[str, Any], engine_json: dict[str, Any]) 
 def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) -> BackendSettings:
     """Backend settings from config.pbtxt parameters, checked against the model.json fields that overlap them."""
     params = parameter_values(model_config)
+    vllm_engine = vllm_engine_setting(params, engine_json)
     stream_mode = stream_mode_setting(params, engine_json)
     if THEIR_HEALTH_CHECK_PARAMETER in params:
         as_bool(THEIR_HEALTH_CHECK_PARAMETER, params[THEIR_HEALTH_CHECK_PARAMETER])
@@ -189,13 +241,14 @@ def backend_settings(model_config: dict[str, Any], engine_json: dict[str, Any]) 
             "'engine_process' is false: set engine_process to true or auto, or leave engine_cpus out"
         )
     return BackendSettings(
+        vllm_engine=vllm_engine,
         stream_mode=stream_mode,
         stream_interval=stream_interval_setting(params),
         cpu_kvcache_space_gib=as_int("cpu_kvcache_space_gib", params.get("cpu_kvcache_space_gib", "1"), minimum=1),
         enable_metrics=metrics_setting(params, engine_json),
         limits=limits,
         unload_on_engine_failure=as_bool("unload_on_engine_failure", params.get("unload_on_engine_failure", "true")),
-        use_ipex=use_ipex_setting(model_config, engine_json),
+        use_ipex=vllm_engine == "multistep" and use_ipex_setting(model_config, engine_json),
         engine_process=engine_process is not False,
         engine_process_required=engine_process is True or bool(engine_cpus),
         engine_cpus=engine_cpus,

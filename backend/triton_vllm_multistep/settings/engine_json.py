@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from triton_vllm_multistep.demo import models as demo_models
-from triton_vllm_multistep.settings.backend import ResponseMode, engine_stream_mode
+from triton_vllm_multistep.settings.backend import EngineKind, ResponseMode, engine_stream_mode
 from triton_vllm_multistep.settings.parameters import ConfigError, parameter_values
 
 logger = logging.getLogger("triton_vllm_multistep")
@@ -25,6 +25,8 @@ PATH_ARGS = ("model", "tokenizer", "download_dir")
 # `disable_log_stats` here only keeps vLLM's own stat loggers off (their log lines and in-process
 # registry cost a pass over the batch per step); this backend's metrics do not come from them.
 ENGINE_DEFAULTS: dict[str, Any] = {"num_scheduler_steps": 8, "disable_log_stats": True}
+# A V1 model's: nothing of multi-step's is injected (its fields are a load error there, settings/backend.py).
+V1_ENGINE_DEFAULTS: dict[str, Any] = {"disable_log_stats": True}
 # Fields of vLLM 0.8.5's AsyncEngineArgs that EngineArgs lacks (Triton's vLLM backend builds an
 # AsyncLLMEngine from model.json): accepted so its model.json loads, ignored here, and why.
 ASYNC_ONLY_ENGINE_ARGS: dict[str, str] = {
@@ -91,15 +93,19 @@ def parallel_size(engine_json: dict[str, Any]) -> int:
     return size("tensor_parallel_size") * size("pipeline_parallel_size")
 
 
-def engine_values(engine_json: dict[str, Any], model_dir: Path, stream_mode: ResponseMode) -> dict[str, Any]:
+def engine_values(
+    engine_json: dict[str, Any], model_dir: Path, stream_mode: ResponseMode, vllm_engine: EngineKind = "multistep"
+) -> dict[str, Any]:
     """The engine's keyword arguments as plain JSON values: the backend's defaults under model.json's
-    fields, paths resolved, the engine's stream mode set. Which fields vLLM takes is checked on the
-    engine's side (engine/engine_args.py engine_fields)."""
-    values = {**ENGINE_DEFAULTS, **engine_json}
+    fields, paths resolved, the engine's stream mode set (multi-step). Which fields vLLM takes is
+    checked on the engine's side (engine/engine_args.py engine_fields)."""
+    values = {**(V1_ENGINE_DEFAULTS if vllm_engine == "v1" else ENGINE_DEFAULTS), **engine_json}
     for name in PATH_ARGS:
         value = values.get(name)
         if isinstance(value, str) and value:
             values[name] = resolve_path(value, model_dir)
+    if vllm_engine == "v1":
+        return values
     values["multi_step_stream_outputs"] = engine_stream_mode(stream_mode) == "step"
     steps = values["num_scheduler_steps"]
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:

@@ -64,7 +64,7 @@ def read_model_settings(
     backend = backend_settings(config, merged)
     if before_model_files is not None:
         before_model_files(backend)
-    values = engine_values(merged, model_dir, backend.stream_mode)
+    values = engine_values(merged, model_dir, backend.stream_mode, backend.vllm_engine)
     return ModelSettings(
         name=str(config.get("name", "")),
         version=version,
