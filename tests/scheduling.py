@@ -3,8 +3,9 @@
 Why two workers on a two-core host: a served test mostly waits (for a server start, for an engine
 that computes on one core), and an engine test spends most of its time in single-threaded Python;
 two workers keep both cores busy. What a worker gets is a work unit, never split: one test module
-(its module-scoped servers start once), or for the modules that share the session's SmolLM2 server
-(`SMOLLM2_SERVER_MODULES`) all of them together, so that the 135M model starts once per run.
+(its module-scoped servers start once), or all the modules that use one of the e2e tier's session
+servers (`SESSION_SERVER_UNITS`), so that each of those servers starts once per run, not once per
+worker (a start of the tiny server costs about a minute of CPU: eight stubs, four engines).
 
 Order: the unit tier first (a broken unit shows within a minute), then the heaviest units first
 (longest-processing-time first: the last unit to start is a short one, so the workers finish
@@ -24,14 +25,26 @@ from xdist.scheduler import LoadScopeScheduling
 
 MODULE_SECONDS_FILE = Path(__file__).with_name("module_seconds.json")
 
-# The modules whose tests use conftest's `smollm2_lora_server`: one work unit (tests/e2e/conftest.py
-# checks at collection that every user of that server is listed here).
-SMOLLM2_SERVER_MODULES = (
-    "tests/e2e/test_real_model.py",
-    "tests/e2e/test_lora_real_model.py",
-    "tests/e2e/test_openai_served.py",
-)
-SMOLLM2_UNIT = "smollm2-server"
+# Work unit → (the session fixture its modules share, the modules). tests/e2e/conftest.py checks at
+# collection that every user of each fixture is listed here, and that no module uses two of them.
+SESSION_SERVER_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "smollm2-server": (
+        "smollm2_lora_server",
+        ("tests/e2e/test_real_model.py", "tests/e2e/test_lora_real_model.py", "tests/e2e/test_openai_served.py"),
+    ),
+    "tiny-server": (
+        "server",
+        (
+            "tests/e2e/test_llm_e2e.py",
+            "tests/e2e/test_sampling_exactness.py",
+            "tests/e2e/test_ensemble.py",
+            "tests/e2e/test_engine_process_served.py",
+            "tests/e2e/test_metrics.py",
+            "tests/e2e/test_soak.py",
+        ),
+    ),
+}
+_UNIT_OF_MODULE = {module: unit for unit, (_, modules) in SESSION_SERVER_UNITS.items() for module in modules}
 
 
 def module_of(nodeid: str) -> str:
@@ -39,9 +52,13 @@ def module_of(nodeid: str) -> str:
 
 
 def unit_of(nodeid: str) -> str:
-    """The work unit a test belongs to: its module, or the SmolLM2 server's unit."""
+    """The work unit a test belongs to: its module, or the unit of the session server it uses."""
     module = module_of(nodeid)
-    return SMOLLM2_UNIT if module in SMOLLM2_SERVER_MODULES else module
+    return _UNIT_OF_MODULE.get(module, module)
+
+
+def modules_of(unit: str) -> tuple[str, ...]:
+    return SESSION_SERVER_UNITS[unit][1] if unit in SESSION_SERVER_UNITS else (unit,)
 
 
 def read_module_seconds(path: Path = MODULE_SECONDS_FILE) -> dict[str, float]:
@@ -54,8 +71,7 @@ def unit_order(units: Iterable[str], module_seconds: Mapping[str, float]) -> lis
     typical = statistics.median(module_seconds.values()) if module_seconds else 1.0
 
     def weight(unit: str) -> float:
-        modules = SMOLLM2_SERVER_MODULES if unit == SMOLLM2_UNIT else (unit,)
-        return sum(module_seconds.get(module, typical) for module in modules)
+        return sum(module_seconds.get(module, typical) for module in modules_of(unit))
 
     first = [unit for unit in units if unit.startswith("tests/unit/")]
     rest = sorted((unit for unit in units if unit not in first), key=weight, reverse=True)  # stable

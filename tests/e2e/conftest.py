@@ -161,17 +161,29 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that unloads a model of the SmolLM2 server runs after every other test using that
-    server (a reload after it was seen to hold the server's stop for its whole exit timeout). Every
-    user of that server is in scheduling.SMOLLM2_SERVER_MODULES, so that xdist runs them on one
-    worker: one start of the real model per run."""
+    server (a reload after it was seen to hold the server's stop for its whole exit timeout)."""
+    _check_session_server_units(items)
     users = [i for i, item in enumerate(items) if "smollm2_lora_server" in getattr(item, "fixturenames", ())]
-    unlisted = sorted({scheduling.module_of(items[i].nodeid) for i in users} - set(scheduling.SMOLLM2_SERVER_MODULES))
-    if unlisted:
-        raise pytest.UsageError(f"{', '.join(unlisted)} use smollm2_lora_server: list them in "
-                                "tests/scheduling.py SMOLLM2_SERVER_MODULES")  # fmt: skip
     stoppers = [item for item in items if item.get_closest_marker("stops_smollm2_model")]
     if not users or not stoppers:
         return
     last = users[-1]
     kept = [item for item in items[: last + 1] if item not in stoppers]
     items[:] = kept + stoppers + [item for item in items[last + 1 :] if item not in stoppers]
+
+
+def _check_session_server_units(items: list[pytest.Item]) -> None:
+    """Every user of a session server is in its unit (tests/scheduling.py), so that xdist runs them on
+    one worker and the server starts once per run; a module in two units would start both servers."""
+    users: dict[str, set[str]] = {}
+    for item in items:
+        for unit, (fixture, _) in scheduling.SESSION_SERVER_UNITS.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                users.setdefault(scheduling.module_of(item.nodeid), set()).add(unit)
+    for module, units in sorted(users.items()):
+        listed = scheduling.unit_of(module)
+        if len(units) > 1 or listed not in units:
+            raise pytest.UsageError(
+                f"{module} uses the session server(s) of {', '.join(sorted(units))}: list it in that unit in "
+                "tests/scheduling.py SESSION_SERVER_UNITS (one unit per module)"
+            )

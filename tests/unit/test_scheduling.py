@@ -8,13 +8,17 @@ from pathlib import Path
 import scheduling
 
 
-def test_a_module_is_one_unit_and_the_smollm2_servers_users_are_one_unit_together() -> None:
+def test_a_module_is_one_unit_and_a_session_servers_users_are_one_unit_together() -> None:
     assert scheduling.unit_of("tests/e2e/test_fuzz.py::test_a[1]") == "tests/e2e/test_fuzz.py"
     assert scheduling.unit_of("tests/e2e/test_fuzz.py::Case::test_b") == "tests/e2e/test_fuzz.py"
-    users = {scheduling.unit_of(f"{module}::test_x") for module in scheduling.SMOLLM2_SERVER_MODULES}
-    assert users == {scheduling.SMOLLM2_UNIT}
-    for module in scheduling.SMOLLM2_SERVER_MODULES:
-        assert (Path(__file__).parents[2] / module).is_file(), module
+    seen: list[str] = []
+    for unit, (_, modules) in scheduling.SESSION_SERVER_UNITS.items():
+        assert {scheduling.unit_of(f"{module}::test_x") for module in modules} == {unit}
+        assert scheduling.modules_of(unit) == modules
+        for module in modules:
+            assert (Path(__file__).parents[2] / module).is_file(), module
+        seen += modules
+    assert len(seen) == len(set(seen))  # a module in one unit only
 
 
 def test_units_run_unit_tier_first_then_heaviest_first_with_unmeasured_ones_at_the_median() -> None:
@@ -26,11 +30,11 @@ def test_units_run_unit_tier_first_then_heaviest_first_with_unmeasured_ones_at_t
         "tests/e2e/test_openai_served.py": 60.0,
     }
     units = ["tests/unit/test_z.py", "tests/e2e/test_new.py", "tests/engine/test_b.py",
-             scheduling.SMOLLM2_UNIT, "tests/unit/test_a.py", "tests/e2e/test_c.py"]  # fmt: skip
+             "smollm2-server", "tests/unit/test_a.py", "tests/e2e/test_c.py"]  # fmt: skip
     order = scheduling.unit_order(units, seconds)
     # The SmolLM2 unit weighs its three modules: 60 + 60 + the median (60) = 180.
     assert order == ["tests/unit/test_z.py", "tests/unit/test_a.py", "tests/e2e/test_c.py",
-                     scheduling.SMOLLM2_UNIT, "tests/e2e/test_new.py", "tests/engine/test_b.py"]  # fmt: skip
+                     "smollm2-server", "tests/e2e/test_new.py", "tests/engine/test_b.py"]  # fmt: skip
     assert scheduling.unit_order(["b", "a"], {}) == ["b", "a"]  # nothing measured: the order given
 
 
