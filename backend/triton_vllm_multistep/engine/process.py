@@ -10,12 +10,14 @@ The stub may launch the child before it has the engine's settings (`launch`): th
 IPEX off or not and imports vLLM while the stub imports its own, then builds what `start_engine`
 sends.
 
-Owns starting, feeding, watching and stopping the engine process, and the messages between the
-two sides: typed plain values (EngineSpec, engine/events.py's EngineRequest, Abort, Serve, Stop one
-way; Built or BuildFailed, the engine's events, KvCacheStats, Stopped the other), none of them
-vLLM's, torch's or numpy's (tests/unit/test_engine_messages.py unpickles each where those cannot
-load). Must not know Triton. Imports no vLLM at module level: the stub imports it before it may
-turn IPEX off, and the child runs it before it does.
+Owns starting, feeding, watching and stopping the engine process (the multi-step one, or with
+`v1` vLLM's current engine under the V1 environment's Python: engine_v1/), and the multi-step
+child's side. The messages between the two sides are engine/messages.py's and engine/events.py's:
+typed plain values (EngineSpec, EngineRequest, Abort, Serve, Stop one way; Built or BuildFailed,
+the engine's events, KvCacheStats, Stopped the other), none of them vLLM's, torch's or numpy's
+(tests/unit/test_engine_messages.py unpickles each where those cannot load). Must not know
+Triton. Imports no vLLM at module level: the stub imports it before it may turn IPEX off, and the
+child runs it before it does.
 """
 
 from __future__ import annotations
@@ -28,13 +30,11 @@ import socket
 import subprocess
 import sys
 import threading
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from triton_vllm_multistep.engine import cpu_placement, events, ipex_switch
+from triton_vllm_multistep.engine import cpu_placement
 from triton_vllm_multistep.engine.events import (
     EngineDied,
     EngineEvent,
@@ -44,101 +44,37 @@ from triton_vllm_multistep.engine.events import (
     RequestFailed,
     StepOutputs,
 )
+from triton_vllm_multistep.engine.messages import (  # the process's messages, reachable from here too
+    Abort,
+    BuildFailed,
+    Built,
+    EngineProcessError,
+    EngineSpec,
+    FromEngine,
+    NoPythonForEngineProcess,
+    Serve,
+    Stop,
+    Stopped,
+    ToEngine,
+    build_failure,
+)
 
 logger = logging.getLogger(__name__)
 
 # How long stop() waits for the engine process to shut its engine down before terminating it.
 STOP_SECONDS = 20.0
 PYTHON_ENV = "TRITON_VLLM_MULTISTEP_PYTHON"
+# The V1 environment's interpreter (config.pbtxt `vllm_engine: v1`); the launcher sets it to
+# .venv-v1's when that is beside its own environment.
+V1_PYTHON_ENV = "TRITON_VLLM_MULTISTEP_V1_PYTHON"
+V1_ENTRY_MODULE = "triton_vllm_multistep.engine_v1.process"
+# The folder holding this package: all a V1 engine process is given of the stub's import paths.
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # `python -m ENTRY_MODULE FD` runs an engine process (tools find engine processes by it too).
 ENTRY_MODULE = "triton_vllm_multistep.engine.process"
 # Its second argument: whether IPEX may load in it (use_ipex), known before the spec is; its third:
 # the CPUs it runs on (a CPU list, or cpu_placement.ALL_CPUS: those it inherits).
 IPEX_ARGUMENT = {True: "ipex", False: "no-ipex"}
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """Everything the child needs to build the engine, in plain values (unpickled before vLLM loads)."""
-
-    engine_args: dict[str, Any]  # EngineArgs fields
-    stream_mode: str
-    user_threads: dict[str, str | None] = field(default_factory=dict)  # factory.thread_choice_of_user()
-    use_ipex: bool = True
-    cpus: tuple[int, ...] = ()  # config.pbtxt engine_cpus; empty: the CPUs it inherits
-    # multi_lora.json's adapters as (name, lora_int_id, path), loaded once at start (warmup.preload_adapters)
-    lora_adapters: tuple[tuple[str, int, str], ...] = ()
-
-
-@dataclass(frozen=True)
-class Serve:
-    """Stub → engine process: start stepping (EngineLoop.serve's settings; `report_state`: send KvCacheStats)."""
-
-    state_interval: float
-    time_steps: bool
-    report_state: bool
-
-
-@dataclass(frozen=True)
-class Abort:
-    """Stub → engine process: abort one request."""
-
-    request_id: str
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Stub → engine process: shut the engine down and exit."""
-
-
-@dataclass(frozen=True)
-class Built:
-    """Engine process → stub: the engine is built and warmed up."""
-
-    facts: EngineFacts
-    torch_threads: int | None
-
-
-@dataclass(frozen=True)
-class BuildFailed:
-    """Engine process → stub: the build failed; its exception when that unpickles without vLLM, torch
-    or numpy (ERROR_MODULES), else its type, message and traceback as text."""
-
-    error: BaseException | str
-
-
-@dataclass(frozen=True)
-class Stopped:
-    """Engine process → stub: the engine is shut down; nothing follows."""
-
-
-# stub → engine process: EngineSpec first, then EngineRequest, Abort, Serve, Stop;
-# engine process → stub: Built or BuildFailed first, then EngineEvents, KvCacheStats, Stopped last.
-ToEngine = EngineSpec | EngineRequest | Abort | Serve | Stop
-FromEngine = Built | BuildFailed | EngineEvent | KvCacheStats | Stopped
-
-
-class EngineProcessError(RuntimeError):
-    """The engine process failed to start or to build its engine (the message carries its error)."""
-
-
-class NoPythonForEngineProcess(EngineProcessError):
-    """No Python could start the engine process (none found, or it would not start)."""
-
-
-# Modules whose exceptions unpickle without vLLM, torch or numpy: a build failure of theirs crosses as itself.
-ERROR_MODULES = frozenset({"builtins", events.__name__, __name__, cpu_placement.__name__, ipex_switch.__name__})
-
-
-def build_failure(error: BaseException) -> BuildFailed:
-    """The message for a failed build: the exception itself where it may cross, else its text."""
-    if type(error).__module__ in ERROR_MODULES:
-        try:
-            pickle.dumps(error)
-            return BuildFailed(error)
-        except Exception:
-            pass
-    return BuildFailed(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
 
 
 def python_for_children() -> str | None:
@@ -170,9 +106,13 @@ class EngineProcess:
     """EngineLoop's surface (start_engine, serve, submit, abort, stop, healthy, error, torch_threads),
     with the engine in a child process. Events reach `sink` from one reader thread, in order."""
 
-    def __init__(self, spec: EngineSpec | None = None, python: str | None = None) -> None:
+    def __init__(self, spec: EngineSpec | None = None, python: str | None = None, v1: bool = False) -> None:
         self.spec = spec  # what start_engine sends; may be set after launch()
-        self._python = python or python_for_children()  # None: start_engine raises NoPythonForEngineProcess
+        # v1: vLLM's current engine (engine_v1/) under the V1 environment's Python, which is given
+        # this package alone of the stub's import paths (its own vLLM, numpy and transformers).
+        self._v1 = v1
+        # None: start_engine raises NoPythonForEngineProcess
+        self._python = python or (os.environ.get(V1_PYTHON_ENV) if v1 else python_for_children())
         self._process: subprocess.Popen[bytes] | None = None
         self._connection: Connection | None = None
         self._send_lock = threading.Lock()
@@ -206,20 +146,30 @@ class EngineProcess:
         """Start the process now, before the spec is ready: it moves onto `cpus` (if any), turns IPEX
         off or not and imports vLLM while the stub does its own imports (start_engine sends the spec).
         Raises NoPythonForEngineProcess when no Python can start it."""
+        if self._python is None and self._v1:
+            raise NoPythonForEngineProcess(
+                f"could not start the V1 engine process: {V1_PYTHON_ENV} is not set (the launcher sets it to the "
+                ".venv-v1 that scripts/setup.sh builds beside .venv)"
+            )
         if self._python is None:
             version = f"python{sys.version_info.major}.{sys.version_info.minor}"
             raise NoPythonForEngineProcess(_no_python_message(f"no {version} on PATH and {PYTHON_ENV} is not set"))
         ours, theirs = socket.socketpair()
         environment = dict(os.environ)
-        # This interpreter's import paths (the stub's: the package and its environment's packages).
-        environment["PYTHONPATH"] = os.pathsep.join(entry for entry in sys.path if entry)
+        if self._v1:
+            environment["PYTHONPATH"] = PACKAGE_PARENT
+            environment.pop("VLLM_USE_V1", None)  # the stub's environment pins V0 for its own vLLM
+        else:
+            # This interpreter's import paths (the stub's: the package and its environment's packages).
+            environment["PYTHONPATH"] = os.pathsep.join(entry for entry in sys.path if entry)
         if cpus:
             environment.update(cpu_placement.engine_thread_environment(cpus))
         placement = cpu_placement.cpu_list_text(cpus) if cpus else cpu_placement.ALL_CPUS
-        logger.info("starting the vLLM engine process with %s", self._python)
+        logger.info("starting the vLLM %s engine process with %s", "V1" if self._v1 else "multi-step", self._python)
+        entry = V1_ENTRY_MODULE if self._v1 else ENTRY_MODULE
         try:
             self._process = subprocess.Popen(
-                [self._python, "-m", ENTRY_MODULE, str(theirs.fileno()), IPEX_ARGUMENT[use_ipex], placement],
+                [self._python, "-m", entry, str(theirs.fileno()), IPEX_ARGUMENT[use_ipex], placement],
                 pass_fds=[theirs.fileno()],
                 env=environment,
                 stdin=subprocess.DEVNULL,

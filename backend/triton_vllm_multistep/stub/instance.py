@@ -14,13 +14,14 @@ import os
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from triton_vllm_multistep.demo.smollm2 import DemoModelError
 from triton_vllm_multistep.engine import cpu_placement, extensions
 from triton_vllm_multistep.engine.engine_args import engine_values, to_engine_args
 from triton_vllm_multistep.engine.events import EngineRunner
-from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec, NoPythonForEngineProcess
+from triton_vllm_multistep.engine.process import EngineProcess, EngineProcessError, EngineSpec, NoPythonForEngineProcess
 from triton_vllm_multistep.interface import INPUT_NAMES, INPUTS, OUTPUT_NAMES, OUTPUTS, UNHEALTHY_ENGINE_MESSAGE
 from triton_vllm_multistep.lifecycle import drain, protocol, triton_command
 from triton_vllm_multistep.settings import Adapter, BackendSettings, ConfigError, ModelSettings, read_model_settings
@@ -66,10 +67,13 @@ def launch_engine_process(settings: BackendSettings, model_name: str) -> EngineP
     """
     if not settings.engine_process:
         return None
-    process = EngineProcess()
+    v1 = settings.vllm_engine == "v1"
+    process = EngineProcess(v1=v1)
     try:
         process.launch(settings.use_ipex, settings.engine_cpus)
     except NoPythonForEngineProcess as error:
+        if v1:
+            raise ConfigError(f"model {model_name}: vllm_engine is 'v1' but {error}") from None
         if settings.engine_process_required:
             asked = "engine_cpus is set" if settings.engine_cpus else "engine_process is true"
             raise ConfigError(f"model {model_name}: {asked} but {error}") from None
@@ -190,6 +194,9 @@ class ModelServer:
         kind, device_id = args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0))
         os.environ.update(instance_device_environment(kind, device_id, model.parallel_size))
         engine_process = launch_engine_process(settings, self.model_name)
+        if settings.vllm_engine == "v1":
+            assert engine_process is not None  # a V1 model's engine always has a process (or the load failed)
+            return self._start_v1_engine(engine_process)
         try:
             from triton_vllm_multistep.engine.factory import EngineBuildError, thread_choice_of_user
 
@@ -213,6 +220,41 @@ class ModelServer:
             raise
         self.engine_in_process = engine_process is not None
         return built_args
+
+    def _start_v1_engine(self, engine_process: EngineProcess) -> Any:
+        """Phase 2 for `vllm_engine: v1`: the engine arguments go to the V1 environment as they are
+        (its vLLM checks them; its refusal is the load error); returns what the stub's tokenizers
+        read of them."""
+        model, settings = self.model_settings, self.settings
+        self._server_command = triton_command.of_process(os.getppid())
+        if settings.engine_cpus:
+            place_engine(settings.engine_cpus, dict(model.model_config), {}, self.model_name)
+        engine_process.spec = EngineSpec(
+            dict(model.engine_args),
+            "step",
+            cpus=settings.engine_cpus,
+            use_ipex=False,
+            lora_adapters=tuple((a.name, a.lora_int_id, a.path) for a in self.adapters or ()),
+        )
+        from triton_vllm_multistep.engine.events import EngineBuildError
+
+        try:
+            engine_process.start_engine()
+        except BaseException as error:
+            engine_process.stop()
+            if isinstance(error, EngineBuildError | EngineProcessError):
+                raise ConfigError(f"model {self.model_name}: vLLM's V1 engine did not build: {error}") from None
+            raise
+        self.loop = engine_process
+        self.engine_in_process = True
+        values = model.engine_args
+        return SimpleNamespace(
+            model=values["model"],
+            tokenizer=values.get("tokenizer"),
+            tokenizer_mode=values.get("tokenizer_mode", "auto"),
+            trust_remote_code=bool(values.get("trust_remote_code", False)),
+            tokenizer_revision=values.get("tokenizer_revision"),
+        )
 
     def _wire_response_path(self, args: dict[str, str], engine_args: Any) -> None:
         """Phase 3: what execute() needs, the metrics, the response thread and the drain watcher; then

@@ -33,11 +33,13 @@ def copy_model(
 ) -> Path:
     """Copy a model folder of this backend, overriding model.json fields and config.pbtxt parameters.
 
-    `parameters` replace the same key's line in config.pbtxt and configs/*.pbtxt, or are added.
+    `parameters` replace the same key's line in config.pbtxt and configs/*.pbtxt, or are added; an
+    `engine` field set to None is removed from model.json.
     """
     shutil.copytree(source, target)
     engine_path = target / "1" / "model.json"
-    engine_path.write_text(json.dumps(json.loads(engine_path.read_text()) | (engine or {}), indent=1))
+    fields = json.loads(engine_path.read_text()) | (engine or {})
+    engine_path.write_text(json.dumps({key: value for key, value in fields.items() if value is not None}, indent=1))
     for config in (target / "config.pbtxt", *sorted((target / "configs").glob("*.pbtxt"))):
         text = config.read_text()
         for key, value in (parameters or {}).items():

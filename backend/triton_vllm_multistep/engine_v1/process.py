@@ -1,0 +1,226 @@
+"""The V1 engine process: vLLM's current engine under the V1 environment's Python, driven through
+engine/process.py's messages (`python -m triton_vllm_multistep.engine_v1.process FD no-ipex CPUS`,
+the arguments of engine/process.py's entry).
+
+Owns building V1's LLMEngine from the model's engine arguments, and the engine thread: the only
+caller of the engine, it admits requests (V1's SamplingParams from the plain fields: sampling.py),
+aborts them, steps, and sends each step's outputs as StepOutputs (engine/outputs.py's conversion),
+the KV cache's state as KvCacheStats, a refused request as RequestFailed and a failed step as
+EngineDied. The main thread only reads the stub's messages and queues them for the engine thread.
+Nothing of vLLM crosses: what is sent is engine/events.py's plain types.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from triton_vllm_multistep.engine import cpu_placement
+from triton_vllm_multistep.engine.events import (
+    EngineBuildError,
+    EngineDied,
+    EngineFacts,
+    EngineRequest,
+    RequestFailed,
+    StepOutputs,
+)
+from triton_vllm_multistep.engine.messages import Abort, Built, EngineSpec, Serve, Stop, Stopped, build_failure
+from triton_vllm_multistep.engine.outputs import plain_outputs
+from triton_vllm_multistep.engine_v1 import stats
+from triton_vllm_multistep.engine_v1.sampling import UnsupportedOnV1, sampling_params
+
+logger = logging.getLogger(__name__)
+# What the engine thread waits for a command when it has nothing to step.
+IDLE_WAIT_SECONDS = 0.05
+
+
+def build_engine(spec: EngineSpec) -> tuple[Any, stats.SchedulerStatsLogger]:
+    """V1's LLMEngine for the spec's engine arguments, its scheduler stats captured."""
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    arguments = dict(spec.engine_args)
+    arguments["disable_log_stats"] = False  # the scheduler's stats feed the metrics (KvCacheStats)
+    try:
+        engine_args = EngineArgs(**arguments)
+    except (TypeError, ValueError) as error:  # model.json's fields, in vLLM's words
+        raise EngineBuildError(f"vLLM {vllm.__version__} (V1) refuses model.json's engine arguments: {error}") from None
+    recorder = stats.SchedulerStatsLogger.factory()
+    engine = LLMEngine.from_engine_args(engine_args, stat_loggers=[recorder])
+    return engine, recorder.latest
+
+
+def engine_facts(engine: Any) -> EngineFacts:
+    model_config = engine.vllm_config.model_config
+    lora_config = engine.vllm_config.lora_config
+    return EngineFacts(
+        model=str(model_config.model),
+        vocab_size=model_config.get_vocab_size(),
+        max_model_len=model_config.max_model_len,
+        multimodal=bool(model_config.is_multimodal_model),
+        num_scheduler_steps=1,
+        attention_kernels="vLLM V1",
+        max_loras=lora_config.max_loras if lora_config else 0,
+        images_per_prompt=0,
+    )
+
+
+class EngineThread:
+    """The engine's one caller: commands in through a queue, events out through `send`."""
+
+    def __init__(self, engine: Any, send: Any, recorder: stats.SchedulerStatsLogger) -> None:
+        self.engine = engine
+        self.send = send
+        self.recorder = recorder
+        self.commands: queue.Queue[Any] = queue.Queue()
+        self.serve: Serve | None = None
+        self.in_flight: set[str] = set()
+        self.stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vllm-v1-engine", daemon=True)
+        self._next_state = 0.0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            while not self.stopped.is_set():
+                self._take_commands(block=not self.in_flight or self.serve is None)
+                if self.serve is not None and self.in_flight and not self.stopped.is_set():
+                    self._step()
+                self._report_state()
+        except BaseException as error:  # the engine failed: every request in it is lost
+            logger.exception("vLLM V1 engine failed")
+            self.send(EngineDied(f"vLLM engine failed: {type(error).__name__}: {error}", sorted(self.in_flight)))
+            self.in_flight.clear()
+
+    def _take_commands(self, block: bool) -> None:
+        try:
+            command = self.commands.get(timeout=IDLE_WAIT_SECONDS) if block else self.commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(command)
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, command: Any) -> None:
+        if isinstance(command, EngineRequest):
+            self._admit(command)
+        elif isinstance(command, Abort):
+            if command.request_id in self.in_flight:
+                self.in_flight.discard(command.request_id)
+                self.engine.abort_request([command.request_id])
+        elif isinstance(command, Serve):
+            self.serve = command
+        elif isinstance(command, Stop):
+            self.stopped.set()
+
+    def _admit(self, request: EngineRequest) -> None:
+        try:
+            params = sampling_params(request.sampling)
+            lora = None
+            if request.adapter is not None:
+                from vllm.lora.request import LoRARequest
+
+                lora = LoRARequest(*request.adapter)
+            if request.images:
+                raise UnsupportedOnV1("images: this backend serves images on V1 on GPU hosts only")
+            self.engine.add_request(
+                request.request_id, {"prompt_token_ids": list(request.prompt_token_ids)}, params, lora_request=lora
+            )
+        except Exception as error:  # this request alone: refused in vLLM's words
+            self.send(RequestFailed(request.request_id, str(error)))
+            return
+        self.in_flight.add(request.request_id)
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        outputs = plain_outputs(self.engine.step())
+        for output in outputs:
+            if output.finished:
+                self.in_flight.discard(output.request_id)
+        serve = self.serve
+        if outputs or (serve is not None and serve.time_steps):
+            self.send(StepOutputs(outputs, time.perf_counter() - started, forward_seconds=None))
+
+    def _report_state(self) -> None:
+        serve = self.serve
+        if serve is None or not serve.report_state or time.monotonic() < self._next_state:
+            return
+        self._next_state = time.monotonic() + serve.state_interval
+        total = self.engine.vllm_config.cache_config.num_gpu_blocks or 0
+        self.send(self.recorder.kv_cache_stats(total, running_fallback=len(self.in_flight)))
+
+
+def serve_engine(connection: Connection) -> None:
+    """The engine process: build, then follow the stub's commands until Stop or the stub is gone."""
+    send_lock = threading.Lock()
+
+    def send(message: Any) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with send_lock:
+            connection.send_bytes(data)
+
+    try:
+        spec = connection.recv()
+    except (EOFError, OSError):
+        return
+    if not isinstance(spec, EngineSpec):
+        return
+    try:
+        engine, recorder = build_engine(spec)
+        facts = engine_facts(engine)
+    except BaseException as error:
+        connection.send(build_failure(error))
+        return
+    import torch
+
+    send(Built(facts, torch.get_num_threads()))
+    runner = EngineThread(engine, send, recorder)
+    runner.start()
+    try:
+        while not runner.stopped.is_set():
+            try:
+                message = connection.recv()
+            except (EOFError, OSError):
+                break
+            runner.commands.put(message)
+            if isinstance(message, Stop):
+                break
+    finally:
+        runner.commands.put(Stop())
+        runner.join(30)
+        try:
+            engine.engine_core.shutdown()
+        except Exception:
+            logger.exception("shutting the V1 engine core down failed")
+        try:
+            send(Stopped())
+        except (OSError, ValueError):
+            pass
+
+
+if __name__ == "__main__":
+    from triton_vllm_multistep.engine_v1 import process
+
+    if sys.argv[3] != cpu_placement.ALL_CPUS:
+        cpu_placement.pin_process(cpu_placement.parse_cpu_list(sys.argv[3]))
+    process.serve_engine(Connection(int(sys.argv[1])))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

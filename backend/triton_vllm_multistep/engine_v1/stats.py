@@ -1,0 +1,68 @@
+"""The V1 engine's scheduler statistics, kept as they arrive, read as engine/events.KvCacheStats.
+
+Owns the stat logger the V1 engine is built with (vLLM calls it after each step with its
+SchedulerStats: running and waiting requests, the KV cache's usage, prefix-cache queries and hits)
+and turning the latest into the block counts the stub's metrics publish.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from triton_vllm_multistep.engine.events import KvCacheStats
+
+
+class SchedulerStatsLogger:
+    """Holds the newest SchedulerStats and the prefix cache's totals since start."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats: Any = None
+        self._queries = 0
+        self._hits = 0
+
+    @classmethod
+    def factory(cls) -> Any:
+        """A StatLoggerFactory (vllm_config, engine_index → StatLoggerBase) whose logger records into
+        one SchedulerStatsLogger, reachable as the factory's `latest`."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        latest = cls()
+
+        class Recorder(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+                if scheduler_stats is not None:
+                    latest.record(scheduler_stats)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        Recorder.latest = latest  # type: ignore[attr-defined]
+        return Recorder
+
+    def record(self, scheduler_stats: Any) -> None:
+        with self._lock:
+            self._stats = scheduler_stats
+            prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
+            if prefix is not None:
+                self._queries += int(getattr(prefix, "queries", 0))
+                self._hits += int(getattr(prefix, "hits", 0))
+
+    def kv_cache_stats(self, total_blocks: int, running_fallback: int = 0) -> KvCacheStats:
+        with self._lock:
+            stats, queries, hits = self._stats, self._queries, self._hits
+        if stats is None:
+            return KvCacheStats(total_blocks, total_blocks, running_fallback, 0)
+        usage = float(getattr(stats, "kv_cache_usage", getattr(stats, "gpu_cache_usage", 0.0)))
+        used = round(usage * total_blocks)
+        return KvCacheStats(
+            free_blocks=total_blocks - used,
+            total_blocks=total_blocks,
+            running=int(stats.num_running_reqs),
+            waiting=int(stats.num_waiting_reqs),
+            prefix_cache_hit_rate=hits / queries if queries else -1.0,
+        )
