@@ -94,7 +94,7 @@ class HeaviestFirstScheduling(LoadScopeScheduling):
         # LoadScopeScheduling.schedule fills its queue only when it is empty, ordered by test count;
         # filling it here (the same structure, in this order) is what it then hands out.
         if not self._check_nodes_have_same_collection():
-            return  # super().schedule() reports it and aborts
+            return  # the queue stays empty, as upstream leaves it: super().schedule() reports and aborts
         collection = next(iter(self.registered_collections.values()))
         units: dict[str, dict[str, bool]] = {}
         for nodeid in collection:

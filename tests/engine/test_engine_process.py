@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 os.environ["VLLM_USE_V1"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import pytest
+from relay import Relay
 
 from triton_vllm_multistep.checks.collector import EventCollector
 from triton_vllm_multistep.demo import models as demo_models
@@ -43,21 +44,6 @@ def _requests() -> list[EngineRequest]:
         EngineRequest("seeded", (3, 4, 5), {"max_tokens": 13, "temperature": 0.8, "seed": 7, "output_kind": delta}),
         EngineRequest("logprobs", (7, 8), {"max_tokens": 9, "temperature": 0.0, "logprobs": 2, "output_kind": delta}),
     ]
-
-
-class Relay:
-    """One engine process served once (each EngineProcess.serve starts an event reader of its own),
-    its events handed to the sink of the test of the moment: the tests that need a working engine
-    share one process instead of starting one each (a start imports vLLM in the child and builds)."""
-
-    def __init__(self, process: EngineProcess) -> None:
-        self.process = process
-        self.sink: Callable[[Any], None] = lambda _event: None
-        self.on_state: Callable[[Any], None] = lambda _state: None
-        process.serve(lambda event: self.sink(event), on_state=lambda state: self.on_state(state), time_steps=True)
-
-    def to(self, sink: Callable[[Any], None], on_state: Callable[[Any], None] = lambda _state: None) -> None:
-        self.sink, self.on_state = sink, on_state
 
 
 def _run(loop: Any, requests: list[EngineRequest]) -> EventCollector:

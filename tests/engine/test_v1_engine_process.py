@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from relay import Relay
 
 from triton_vllm_multistep.checks.collector import EventCollector
 from triton_vllm_multistep.demo import models as demo_models
@@ -60,10 +61,11 @@ def offline_v1() -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def v1_process() -> Iterator[EngineProcess]:
+def v1_process() -> Iterator[Relay]:
+    """One V1 engine process, served once, shared by the tests that need a working engine."""
     process = EngineProcess(EngineSpec(_fields(), "step"), python=str(V1_PYTHON), v1=True)
     process.start_engine()
-    yield process
+    yield Relay(process)
     process.stop()
 
 
@@ -115,14 +117,14 @@ def test_every_message_round_trips_between_the_two_pythons() -> None:
 
 
 def test_the_v1_engine_streams_one_output_per_step_with_offline_v1s_tokens(
-    v1_process: EngineProcess, offline_v1: dict[str, list[int]]
+    v1_process: Relay, offline_v1: dict[str, list[int]]
 ) -> None:
-    facts = v1_process.facts
+    facts = v1_process.process.facts
     assert facts.num_scheduler_steps == 1 and facts.max_model_len == 256 and facts.vocab_size > 0
     collector = EventCollector(expected=3)
-    v1_process.serve(collector.sink, on_state=collector.states.append, state_interval=0.05, time_steps=True)
+    v1_process.to(collector.sink, collector.states.append)
     for request in _requests():
-        v1_process.submit(request)
+        v1_process.process.submit(request)
     assert collector.done.wait(300)
     assert collector.tokens == offline_v1
     # One token per delta: each decoded step reaches the stub on its own.
@@ -134,13 +136,14 @@ def test_the_v1_engine_streams_one_output_per_step_with_offline_v1s_tokens(
     assert collector.states[-1].total_blocks > 0
 
 
-def test_a_field_v1_removed_fails_its_request_alone_and_an_abort_ends_a_stream(v1_process: EngineProcess) -> None:
+def test_a_field_v1_removed_fails_its_request_alone_and_an_abort_ends_a_stream(v1_process: Relay) -> None:
     collector = EventCollector(expected=2)  # best_of failed, short finished (an aborted request ends silently)
-    v1_process._sink = collector.sink  # served already (the test above): the next test's sink
-    v1_process.submit(EngineRequest("best_of", (1, 2), {"max_tokens": 4, "best_of": 3, "output_kind": DELTA}))
-    v1_process.submit(EngineRequest("long", (1, 2, 3), {"max_tokens": 200, "ignore_eos": True, "output_kind": DELTA}))
-    v1_process.submit(EngineRequest("short", (4, 5), {"max_tokens": 30, "ignore_eos": True, "output_kind": DELTA}))
-    v1_process.abort("long")
+    v1_process.to(collector.sink)
+    process = v1_process.process
+    process.submit(EngineRequest("best_of", (1, 2), {"max_tokens": 4, "best_of": 3, "output_kind": DELTA}))
+    process.submit(EngineRequest("long", (1, 2, 3), {"max_tokens": 200, "ignore_eos": True, "output_kind": DELTA}))
+    process.submit(EngineRequest("short", (4, 5), {"max_tokens": 30, "ignore_eos": True, "output_kind": DELTA}))
+    process.abort("long")
     assert collector.done.wait(300)
     assert list(collector.failed) == ["best_of"] and "vLLM's V1 engine removed best_of" in collector.failed["best_of"]
     assert collector.finished() == {"short"}

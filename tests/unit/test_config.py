@@ -216,7 +216,7 @@ def test_the_engine_is_multistep_unless_v1_is_chosen_and_v1_gets_no_multistep_de
         {"vllm_engine": "v1", "use_ipex": "auto"}, {"model": "m", "enable_prefix_caching": True}
     ).use_ipex
     engine = {"model": "/models/m"}
-    assert model_json.engine_values(engine, tmp_path, "step", "v1") == {"model": "/models/m", "disable_log_stats": True}
+    assert model_json.engine_values(engine, tmp_path, "step", "v1") == {"model": "/models/m"}
     steps = model_json.engine_values(engine, tmp_path, "step")
     assert steps["num_scheduler_steps"] == 8 and steps["multi_step_stream_outputs"] is True
 

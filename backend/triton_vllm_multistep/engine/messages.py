@@ -1,7 +1,8 @@
 """What crosses between the stub and an engine process, besides engine/events.py's types: the spec
 to build, the commands (Serve, Abort, Stop) and the replies (Built, BuildFailed, Stopped).
 
-Owns these messages and how a build failure crosses (build_failure); imports nothing but the
+Owns these messages, how an engine process sends them (sender) and how a build failure crosses
+(build_failure); imports nothing but the
 standard library and the boundary types, so that both engine processes (the multi-step one in
 this environment, engine/process.py; the V1 one in its own, engine_v1/) and the stub load them.
 """
@@ -9,8 +10,11 @@ this environment, engine/process.py; the V1 one in its own, engine_v1/) and the 
 from __future__ import annotations
 
 import pickle
+import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 
 from triton_vllm_multistep.engine import events
@@ -108,3 +112,16 @@ def build_failure(error: BaseException) -> BuildFailed:
         except Exception:
             pass
     return BuildFailed(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+
+
+def sender(connection: Connection) -> Callable[[FromEngine], None]:
+    """An engine process's send: any thread may call it; each message is pickled outside the lock,
+    so a large step's outputs do not hold up another thread's message for their pickling."""
+    lock = threading.Lock()
+
+    def send(message: FromEngine) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with lock:
+            connection.send_bytes(data)
+
+    return send

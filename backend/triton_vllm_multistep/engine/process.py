@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import shutil
 import socket
 import subprocess
@@ -57,6 +56,7 @@ from triton_vllm_multistep.engine.messages import (  # the process's messages, r
     Stopped,
     ToEngine,
     build_failure,
+    sender,
 )
 
 logger = logging.getLogger(__name__)
@@ -323,13 +323,7 @@ class EngineProcess:
 
 def serve_engine(connection: Connection) -> None:
     """The engine process: build the engine in an EngineLoop, then follow the stub's commands."""
-    send_lock = threading.Lock()
-
-    def send(message: FromEngine) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # outside the lock
-        with send_lock:
-            connection.send_bytes(data)
-
+    send = sender(connection)
     try:
         message: ToEngine = connection.recv()
     except (EOFError, OSError):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import queue
 import sys
 import threading
@@ -31,7 +30,7 @@ from triton_vllm_multistep.engine.events import (
     RequestFailed,
     StepOutputs,
 )
-from triton_vllm_multistep.engine.messages import Abort, Built, EngineSpec, Serve, Stop, Stopped, build_failure
+from triton_vllm_multistep.engine.messages import Abort, Built, EngineSpec, Serve, Stop, Stopped, build_failure, sender
 from triton_vllm_multistep.engine.outputs import plain_outputs
 from triton_vllm_multistep.engine_v1 import stats
 from triton_vllm_multistep.engine_v1.sampling import UnsupportedOnV1, sampling_params
@@ -47,8 +46,9 @@ def build_engine(spec: EngineSpec) -> tuple[Any, stats.SchedulerStatsLogger]:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    arguments = dict(spec.engine_args)
-    arguments["disable_log_stats"] = False  # the scheduler's stats feed the metrics (KvCacheStats)
+    # Stats on whatever model.json says: the scheduler's stats are the metrics' KV-cache figures
+    # (KvCacheStats); config.pbtxt / model.json decide whether the stub publishes them.
+    arguments = {**spec.engine_args, "disable_log_stats": False}
     try:
         engine_args = EngineArgs(**arguments)
     except (TypeError, ValueError) as error:  # model.json's fields, in vLLM's words
@@ -168,13 +168,7 @@ class EngineThread:
 
 def serve_engine(connection: Connection) -> None:
     """The engine process: build, then follow the stub's commands until Stop or the stub is gone."""
-    send_lock = threading.Lock()
-
-    def send(message: Any) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        with send_lock:
-            connection.send_bytes(data)
-
+    send = sender(connection)
     try:
         spec = connection.recv()
     except (EOFError, OSError):

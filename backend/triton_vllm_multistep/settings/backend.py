@@ -61,6 +61,11 @@ ENGINE_KINDS: tuple[EngineKind, ...] = ("multistep", "v1")
 ENGINE_PARAMETER = "vllm_engine"
 # model.json fields that exist only for multi-step scheduling: on V1 a load error naming both.
 MULTI_STEP_ONLY_ENGINE_ARGS = ("num_scheduler_steps", "multi_step_stream_outputs")
+# config.pbtxt switches a V1 model cannot honour: the value refused, and why.
+V1_REFUSED_SWITCHES: dict[str, tuple[bool, str]] = {
+    "engine_process": (False, "a V1 engine always runs in a process of its own, under its environment's Python"),
+    "use_ipex": (True, "the V1 environment has no Intel Extension for PyTorch"),
+}
 
 # What the engine is built with: engine/events.py's StreamMode, the same two values (written out
 # here because settings import nothing of the engine; tests/unit/test_model_settings.py keeps them equal).
@@ -116,7 +121,7 @@ def vllm_engine_setting(params: dict[str, str], engine_json: dict[str, Any]) -> 
             if name in engine_json:
                 raise ConfigError(
                     f"config.pbtxt parameter {ENGINE_PARAMETER!r}='v1' and model.json {name!r}="
-                    f"{json_text(engine_json[name])} disagree: vLLM's V1 engine has no multi-step scheduling; "
+                    f"{json.dumps(engine_json[name])} disagree: vLLM's V1 engine has no multi-step scheduling; "
                     f"remove {name!r} or serve the model with {ENGINE_PARAMETER} 'multistep'"
                 )
         if params.get("stream_mode", "").strip().lower() == "window":
@@ -124,23 +129,13 @@ def vllm_engine_setting(params: dict[str, str], engine_json: dict[str, Any]) -> 
                 f"config.pbtxt parameters {ENGINE_PARAMETER!r}='v1' and 'stream_mode'='window' disagree: a "
                 "scheduling window is multi-step's; V1 streams every step ('step') or merges them ('merge')"
             )
-        for name in ("engine_process", "use_ipex"):
+        for name, (refused, why) in V1_REFUSED_SWITCHES.items():
             value = params.get(name, "").strip()
-            if value and true_false_or_auto(name, value) is (name == "use_ipex"):
+            if value and true_false_or_auto(name, value) is refused:
                 raise ConfigError(
-                    f"config.pbtxt parameters {ENGINE_PARAMETER!r}='v1' and {name!r}={value!r} disagree: "
-                    + (
-                        "a V1 engine always runs in a process of its own, under its environment's Python"
-                        if name == "engine_process"
-                        else "the V1 environment has no Intel Extension for PyTorch"
-                    )
+                    f"config.pbtxt parameters {ENGINE_PARAMETER!r}='v1' and {name!r}={value!r} disagree: {why}"
                 )
     return text  # type: ignore[return-value]  # checked against ENGINE_KINDS above
-
-
-def json_text(value: Any) -> str:
-    """A model.json value as JSON writes it (true, not True), for messages."""
-    return json.dumps(value)
 
 
 def stream_mode_setting(params: dict[str, str], engine_json: dict[str, Any]) -> ResponseMode:

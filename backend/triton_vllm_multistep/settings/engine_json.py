@@ -25,8 +25,6 @@ PATH_ARGS = ("model", "tokenizer", "download_dir")
 # `disable_log_stats` here only keeps vLLM's own stat loggers off (their log lines and in-process
 # registry cost a pass over the batch per step); this backend's metrics do not come from them.
 ENGINE_DEFAULTS: dict[str, Any] = {"num_scheduler_steps": 8, "disable_log_stats": True}
-# A V1 model's: nothing of multi-step's is injected (its fields are a load error there, settings/backend.py).
-V1_ENGINE_DEFAULTS: dict[str, Any] = {"disable_log_stats": True}
 # Fields of vLLM 0.8.5's AsyncEngineArgs that EngineArgs lacks (Triton's vLLM backend builds an
 # AsyncLLMEngine from model.json): accepted so its model.json loads, ignored here, and why.
 ASYNC_ONLY_ENGINE_ARGS: dict[str, str] = {
@@ -99,7 +97,9 @@ def engine_values(
     """The engine's keyword arguments as plain JSON values: the backend's defaults under model.json's
     fields, paths resolved, the engine's stream mode set (multi-step). Which fields vLLM takes is
     checked on the engine's side (engine/engine_args.py engine_fields)."""
-    values = {**(V1_ENGINE_DEFAULTS if vllm_engine == "v1" else ENGINE_DEFAULTS), **engine_json}
+    # A V1 model gets none of these: multi-step's fields are a load error there (settings/backend.py),
+    # and its engine process decides disable_log_stats (engine_v1/process.py).
+    values = {**({} if vllm_engine == "v1" else ENGINE_DEFAULTS), **engine_json}
     for name in PATH_ARGS:
         value = values.get(name)
         if isinstance(value, str) and value:

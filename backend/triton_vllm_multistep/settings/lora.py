@@ -40,6 +40,10 @@ class Adapter:
     lora_int_id: int
     path: str
 
+    def engine_value(self) -> tuple[str, int, str]:
+        """The adapter as it crosses to the engine (EngineRequest.adapter, EngineSpec.lora_adapters)."""
+        return (self.name, self.lora_int_id, self.path)
+
 
 def lora_enabled(engine_json: Mapping[str, Any]) -> bool:
     """`enable_lora` as their backend reads it: true or "true" (any case); anything else is off."""

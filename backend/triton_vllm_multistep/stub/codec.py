@@ -532,7 +532,7 @@ def engine_request(request: GenerationRequest, request_id: str) -> EngineRequest
         request_id,
         tuple(request.prompt_token_ids),
         request.sampling,
-        None if adapter is None else (adapter.name, adapter.lora_int_id, adapter.path),
+        None if adapter is None else adapter.engine_value(),
         request.images,
     )
 

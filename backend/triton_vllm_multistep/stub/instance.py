@@ -98,7 +98,7 @@ def start_engine_runner(
     from triton_vllm_multistep.engine.loop import serving_loop
 
     engine_mode = engine_stream_mode(settings.stream_mode)
-    plain_adapters = tuple((a.name, a.lora_int_id, a.path) for a in adapters)
+    plain_adapters = tuple(adapter.engine_value() for adapter in adapters)
     if process is not None:
         process.spec = EngineSpec(
             engine_values,
@@ -194,6 +194,8 @@ class ModelServer:
         kind, device_id = args.get("model_instance_kind", "CPU"), int(args.get("model_instance_device_id", 0))
         os.environ.update(instance_device_environment(kind, device_id, model.parallel_size))
         engine_process = launch_engine_process(settings, self.model_name)
+        # The stub is a child of tritonserver: its command line says how it runs.
+        self._server_command = triton_command.of_process(os.getppid())
         if settings.vllm_engine == "v1":
             assert engine_process is not None  # a V1 model's engine always has a process (or the load failed)
             return self._start_v1_engine(engine_process)
@@ -202,8 +204,6 @@ class ModelServer:
 
             values = engine_values(model.engine_args)  # checked against vLLM's fields (imports vLLM)
             built_args = to_engine_args(values)
-            # The stub is a child of tritonserver: its command line says how it runs.
-            self._server_command = triton_command.of_process(os.getppid())
             user_threads = thread_choice_of_user()  # before the build: vLLM sets OMP_NUM_THREADS during it
             if settings.engine_cpus:
                 place_engine(settings.engine_cpus, dict(model.model_config), user_threads, self.model_name)
@@ -226,7 +226,6 @@ class ModelServer:
         (its vLLM checks them; its refusal is the load error); returns what the stub's tokenizers
         read of them."""
         model, settings = self.model_settings, self.settings
-        self._server_command = triton_command.of_process(os.getppid())
         if settings.engine_cpus:
             place_engine(settings.engine_cpus, dict(model.model_config), {}, self.model_name)
         engine_process.spec = EngineSpec(
@@ -234,7 +233,7 @@ class ModelServer:
             "step",
             cpus=settings.engine_cpus,
             use_ipex=False,
-            lora_adapters=tuple((a.name, a.lora_int_id, a.path) for a in self.adapters or ()),
+            lora_adapters=tuple(adapter.engine_value() for adapter in self.adapters or ()),
         )
         from triton_vllm_multistep.engine.events import EngineBuildError
 
