@@ -17,7 +17,7 @@ import psutil
 import requests
 from served_models import REAL_MODEL, TINY_ENGINE, TINY_MODEL
 
-from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, start_server
+from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, start_ready_server
 from triton_vllm_multistep.testing.polling import wait_for
 
 __all__ = [
@@ -83,10 +83,10 @@ def model_ready(server: ServerProcess, model: str) -> bool:
 
 @contextlib.contextmanager
 def serving(repository: Path, log_path: Path, *server_args: str) -> Iterator[ServerProcess]:
-    """A private server on `repository`, READY, stopped (drained) on the way out: a module fixture's body."""
-    server = start_server(repository, log_path, *server_args)
+    """A private server on `repository`, READY (a start that fails as start_ready_server retries is
+    retried), stopped (drained) on the way out: a module fixture's body."""
+    server, _ = start_ready_server(repository, log_path, *server_args, timeout=600)
     try:
-        server.wait_ready(timeout=600)
         yield server
     finally:
         server.stop()

@@ -35,6 +35,7 @@ from private_servers import (
 from triton_clients import StreamResult, grpc_generate
 
 from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV
+from triton_vllm_multistep.stubguard import guard, watch
 from triton_vllm_multistep.testing.faults import FAULT_FILE_ENV, server_environment
 from triton_vllm_multistep.testing.local_server import ServerProcess, start_server
 
@@ -104,6 +105,7 @@ def lifecycle_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths:
         {MODEL: {}, STAYING: {"parameters": {"unload_on_engine_failure": "false", "engine_process": "false"}}},
     )
     copy_pipeline_stages(repository)  # the ensemble around MODEL, loaded by the stall tests only
+    shutil.copytree(repository / "preprocessing", repository / LOAD_STALLED)
     fault_file = root / "engine-fault"
     handle = start_server(
         repository,
@@ -127,6 +129,10 @@ def lifecycle_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths:
 # freed then aborts tritonserver. Each stub's guard keeps Triton waiting instead: a stall costs time only.
 STALLED_STREAM = {"temperature": 0, "max_tokens": 300, "ignore_eos": True}
 STALL_SECONDS = [1.5, 5.0]
+
+
+# A copy of the ensemble's preprocessing stage, loaded by the load-time stall test only.
+LOAD_STALLED = "preprocessing_load"
 
 
 def guard_of(server: ServerProcess, stub_pid: int) -> psutil.Process:
@@ -261,6 +267,54 @@ class TestStalledStubs:
             reference,
             model,
         )
+
+
+def test_the_auto_complete_stub_is_guarded_its_health_thread_kept_running_and_its_exit_expected(
+    lifecycle_server: ServerProcess,
+) -> None:
+    """Triton runs every Python model's auto-complete in a stub of its own, then clears that stub's health
+    flag, sleeps 1 s and SIGKILLs it if the flag is still down (python_be.cc: UpdateHealth, TerminateStub);
+    a stub killed inside Triton's shared-memory allocator aborts tritonserver. That stub gets a guard too
+    (started at model.py's import), the guard raises the stub's health thread to real-time priority where
+    the host allows it, and the stub's exit after Triton finalized it is announced, not taken for a loss.
+    Stopped for 1.5 s while it answers, the load waits for it and goes on."""
+    server = lifecycle_server
+    log_from = len(server.log_path.read_text(errors="replace"))
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    loading = threading.Thread(target=client.load_model, args=(LOAD_STALLED,), daemon=True)
+    loading.start()
+
+    def auto_complete_stub() -> list[psutil.Process]:
+        # Triton's stub argument 8 is the model's name for it (an instance's for the others).
+        return [p for p in stub_processes(server) if p.cmdline()[8:9] == [LOAD_STALLED]]
+
+    # It lives about a second and a half: looked for every 5 ms.
+    assert wait_for(auto_complete_stub, 60, interval=0.005), "no auto-complete stub was started"
+    (stub,) = auto_complete_stub()
+    guarded = wait_for(
+        lambda: [p for p in server.process_groups()["guard"] if p.cmdline()[3:4] == [str(stub.pid)]], 30, interval=0.005
+    )
+    assert guarded, "the auto-complete stub has no guard"
+    assert wait_for(lambda: guard.health_thread(stub.pid), 5, interval=0.005)
+    health = guard.health_thread(stub.pid)  # found by its nanosleep: looked for while the stub runs
+    if os.geteuid() == 0:  # CAP_SYS_NICE: the guard may raise it (on finding it; it looks every 100 ms)
+        assert wait_for(lambda: os.sched_getscheduler(health) == os.SCHED_RR, 1.0, interval=0.005)
+    with stopped([stub], 1.5):
+        pass
+    loading.join(timeout=120)
+    assert not loading.is_alive()
+    try:
+        assert model_ready(server, LOAD_STALLED)
+        assert wait_for(lambda: not psutil.pid_exists(stub.pid), 30)
+        time.sleep(2 * watch.POLL_SECONDS)  # the guard's reading after the exit
+        log = server.log_path.read_text(errors="replace")[log_from:]
+        assert f"(pid {stub.pid}) exited without finalizing" not in log, log[-3000:]
+        assert "health thread was not found" not in log, log[-3000:]
+        assert "is lost" not in log and "is not healthy" not in log and "lock_exception" not in log
+        assert server.process.poll() is None
+    finally:
+        client.unload_model(LOAD_STALLED)
+        client.close()
 
 
 def test_engine_failure_fails_streams_in_flight_refuses_new_and_unloads_the_model(lifecycle_server) -> None:

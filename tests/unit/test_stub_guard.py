@@ -16,10 +16,10 @@ CONTROL_HANDLE = 336  # where tritonserver 2.51 put it in every stub seen (the v
 STUB_QUEUE, PARENT_QUEUE = 496, 8688
 
 
-def write_region(path: Path, *, decoupled: bool, mutex_kind: int = ipc.ROBUST_SHARED_KIND) -> None:
+def write_region(path: Path, *, decoupled: int, mutex_kind: int = ipc.ROBUST_SHARED_KIND) -> None:
     region = bytearray(1 << 16)
     control = CONTROL_HANDLE + ipc.OWNERSHIP_BYTES
-    region[control : control + 4] = bytes([1, 0, 0, int(decoupled)])
+    region[control : control + 4] = bytes([1, 0, 0, decoupled])
     struct.pack_into("i", region, control + ipc.STUB_HEALTH_MUTEX + ipc.PTHREAD_MUTEX_KIND, mutex_kind)
     struct.pack_into("5q", region, control + ipc.QUEUE_HANDLES, STUB_QUEUE, PARENT_QUEUE, 16880, 25072, 33264)
     for handle, (head, tail) in ((STUB_QUEUE, (6, 5)), (PARENT_QUEUE, (4, 4))):
@@ -52,8 +52,8 @@ def test_the_stub_command_line_names_its_region_and_control_block() -> None:
 
 
 def test_the_control_block_is_read_and_the_health_flag_set(tmp_path: Path) -> None:
-    write_region(tmp_path / "region", decoupled=True)
-    control = ipc.StubControl.open(ipc.stub_arguments(stub_argv()), decoupled=True, shm_dir=tmp_path)
+    write_region(tmp_path / "region", decoupled=1)
+    control = ipc.StubControl.open(ipc.stub_arguments(stub_argv()), shm_dir=tmp_path)
     assert control.stub_health
     assert control.stub_queue() == QueueState(head=6, tail=5, size=1000) and control.stub_queue().depth == 1
     assert control.parent_queue().depth == 0
@@ -66,18 +66,16 @@ def test_the_control_block_is_read_and_the_health_flag_set(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize(
-    ("region_decoupled", "model_decoupled", "kind", "message"),
+    ("decoupled_byte", "kind", "message"),
     [
-        (False, True, ipc.ROBUST_SHARED_KIND, "decoupled flag reads 0"),
-        (True, True, 0, "health mutex has kind 0x0"),
+        (7, ipc.ROBUST_SHARED_KIND, r"flags read \[1, 0, 0, 7\], not bools"),
+        (1, 0, "health mutex has kind 0x0"),
     ],
 )
-def test_another_layout_is_refused(
-    tmp_path: Path, region_decoupled: bool, model_decoupled: bool, kind: int, message: str
-) -> None:
-    write_region(tmp_path / "region", decoupled=region_decoupled, mutex_kind=kind)
+def test_another_layout_is_refused(tmp_path: Path, decoupled_byte: int, kind: int, message: str) -> None:
+    write_region(tmp_path / "region", decoupled=decoupled_byte, mutex_kind=kind)
     with pytest.raises(ipc.LayoutError, match=message):
-        ipc.StubControl.open(ipc.stub_arguments(stub_argv()), decoupled=model_decoupled, shm_dir=tmp_path)
+        ipc.StubControl.open(ipc.stub_arguments(stub_argv()), shm_dir=tmp_path)
 
 
 IDLE = QueueState(0, 0, 1000)

@@ -8,6 +8,9 @@ import triton_python_backend_utils as pb_utils
 
 from triton_vllm_multistep.stub import instance, stall_guard
 
+# At import, before anything else runs in this stub: Triton's auto-complete stub is guarded too.
+stall_guard.guard_this_stub()
+
 
 class TritonPythonModel:
     @staticmethod
@@ -15,7 +18,7 @@ class TritonPythonModel:
         return instance.auto_complete(auto_complete_model_config)
 
     def initialize(self, args):
-        self._guard = stall_guard.start_for(args)  # first: a stall while loading is covered too
+        self._guard = stall_guard.start_for(args)
         try:
             self._server = instance.ModelServer(pb_utils, args)
         except BaseException as error:

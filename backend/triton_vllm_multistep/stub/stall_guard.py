@@ -1,13 +1,17 @@
 """Starting this stub's guard (stubguard/: a process of its own that keeps tritonserver from giving up
 on the stub while it stalls) and telling it when the stub's exit is expected.
 
-Owns the guard process's start and its one message; must not do anything the guard does. Called
-first thing in every stub's initialize (the LLM model's and the ensemble's tokenizer stages'), so
-that a stall while the model loads is covered too.
+Owns the guard process's start and its one message; must not do anything the guard does. Started
+when the stub imports its model.py (the LLM model's and the ensemble's tokenizer stages'), not in
+`initialize`: Triton runs every Python model's `auto_complete_config` in a stub of its own first and
+applies its one-second rule to that stub too (it SIGKILLs one whose health flag stayed down for a
+second, and a stub killed inside Triton's shared-memory allocator aborts tritonserver), and the
+load of a model instance is covered from its first line.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -41,20 +45,33 @@ class StallGuard:
         try:
             self._process.stdin.write(FINALIZING)
             self._process.stdin.flush()
-        except OSError:  # the guard is gone already
+        except (OSError, ValueError):  # the guard is gone already, or the pipe closed
             pass
 
 
+_this_stub: StallGuard | None = None
+
+
+def guard_this_stub() -> StallGuard:
+    """This stub's guard, started on the first call (at model.py's import); later calls return it.
+    An exit through the interpreter's end (a stub finalized by Triton, the auto-complete stub's
+    included) is announced to it."""
+    global _this_stub
+    if _this_stub is None:
+        _this_stub = start()
+        atexit.register(_this_stub.finalizing)
+    return _this_stub
+
+
 def start_for(args: dict[str, str]) -> StallGuard:
-    """The guard for the stub that Triton's initialize `args` describe (and the diagnostic stall detector,
-    stub/stall_detector.py, when the environment asks for it)."""
+    """In `initialize`: the guard (started at import already) and the diagnostic stall detector
+    (stub/stall_detector.py) when the environment asks for it."""
     config = json.loads(args["model_config"])
     stall_detector.start_from_environment(args.get("model_instance_name") or config.get("name", "?"))
-    policy = config.get("model_transaction_policy") or {}
-    return start(decoupled=bool(policy.get("decoupled", False)))
+    return guard_this_stub()
 
 
-def start(decoupled: bool) -> StallGuard:
+def start() -> StallGuard:
     """Start the guard for this process (a Triton stub); a guard that cannot start is logged, not fatal:
     the stub serves as it would without one."""
     try:
@@ -72,9 +89,7 @@ def start(decoupled: bool) -> StallGuard:
     environment["PYTHONPATH"] = os.pathsep.join(entry for entry in sys.path if entry)
     try:
         process = subprocess.Popen(
-            [python, "-m", ENTRY_MODULE, str(os.getpid()), str(int(decoupled))],
-            stdin=subprocess.PIPE,
-            env=environment,
+            [python, "-m", ENTRY_MODULE, str(os.getpid())], stdin=subprocess.PIPE, env=environment
         )
     except OSError as error:
         logger.warning("no stub guard: %s", error)

@@ -143,7 +143,9 @@ def run_batch(
 
 
 def python_model(pb_utils: Any, handler_class: type[Preprocessor] | type[Postprocessor]) -> type:
-    """The `TritonPythonModel` class of a tokenizer stage (its model.py is one line)."""
+    """The `TritonPythonModel` class of a tokenizer stage (its model.py is one line); called at that
+    model.py's import, so it starts the stub's guard (Triton's auto-complete stub is guarded too)."""
+    stall_guard.guard_this_stub()
 
     class TritonPythonModel:
         def initialize(self, args: dict[str, str]) -> None:

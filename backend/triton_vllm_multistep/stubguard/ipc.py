@@ -80,7 +80,7 @@ class StubControl:
         self._stub_queue, self._parent_queue = (handle + OWNERSHIP_BYTES for handle in handles)
 
     @classmethod
-    def open(cls, arguments: StubArguments, decoupled: bool, shm_dir: Path = SHM_DIR) -> StubControl:
+    def open(cls, arguments: StubArguments, shm_dir: Path = SHM_DIR) -> StubControl:
         """Map the stub's region and check its layout (raises LayoutError, OSError)."""
         fd = os.open(shm_dir / arguments.region, os.O_RDWR)
         try:
@@ -89,18 +89,20 @@ class StubControl:
         finally:
             os.close(fd)
         control = cls(region, arguments.control_handle)
-        control.check(decoupled)
+        control.check()
         return control
 
-    def check(self, decoupled: bool) -> None:
-        """The checks that tell r24.10's layout from another: the decoupled flag is the model's, the
-        stub's health mutex is a robust process-shared pthread mutex, both queues are sane."""
+    def check(self) -> None:
+        """The checks that tell r24.10's layout from another: the control block's four flags are bools,
+        the stub's health mutex is a robust process-shared pthread mutex, both queues are sane. (Not
+        whether the decoupled flag is the model's: the guard starts at model.py's import, before the
+        stub has the model's configuration, and the auto-complete stub's flag predates it.)"""
         region = self._region
         if self._control + QUEUE_HANDLES + 16 > len(region):
             raise LayoutError(f"IPCControl at {self._control} lies outside the mapped {len(region)} bytes")
-        flag = region[self._control + DECOUPLED]
-        if flag != int(decoupled):
-            raise LayoutError(f"the decoupled flag reads {flag}, the model is {'' if decoupled else 'not '}decoupled")
+        flags = bytes(region[self._control + STUB_HEALTH : self._control + DECOUPLED + 1])
+        if any(flag > 1 for flag in flags):
+            raise LayoutError(f"the control block's flags read {list(flags)}, not bools")
         kind = struct.unpack_from("i", region, self._control + STUB_HEALTH_MUTEX + PTHREAD_MUTEX_KIND)[0]
         if kind != ROBUST_SHARED_KIND:
             raise LayoutError(f"the stub's health mutex has kind {kind:#x}, not {ROBUST_SHARED_KIND:#x}")

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,9 @@ from typing import Any
 from triton_vllm_multistep.host import openai_process
 from triton_vllm_multistep.lifecycle import procfs, triton_command
 from triton_vllm_multistep.stubguard.guard import ENTRY_MODULE as stubguard_entry
+
+# The launcher's exit status for a tritonserver killed by signal N is 128 + N (host/launcher.py).
+SIGNAL_EXIT = 128
 
 
 def copy_model(
@@ -260,8 +264,11 @@ def start_ready_server(
     """Start a server and wait until READY; returns it and its seconds from start to READY.
 
     A start is retried (on new ports, with a log of its own: `<name>-retry<N>.log`) when it stalls
-    past `timeout` (a model load was seen to stall once on a heavily loaded host) or when a port
-    was taken between choosing and binding it (other servers starting on the host meanwhile).
+    past `timeout` (a model load was seen to stall once on a heavily loaded host), when a port
+    was taken between choosing and binding it (other servers starting on the host meanwhile), or
+    when tritonserver died by a signal while its models loaded (Triton 2.51's one-second rule on a
+    starved or clock-stepped host, docs/lifecycle.md): that one with a warning carrying the log's
+    tail, so the run's summary shows it.
     """
     for attempt in range(attempts):
         log = log_path if attempt == 0 else log_path.with_name(f"{log_path.stem}-retry{attempt}{log_path.suffix}")
@@ -272,7 +279,12 @@ def start_ready_server(
         except (TimeoutError, RuntimeError) as error:
             server.stop()
             port_taken = isinstance(error, RuntimeError) and "already in use" in log.read_text(errors="replace")
-            if attempt == attempts - 1 or not (isinstance(error, TimeoutError) or port_taken):
+            crashed = isinstance(error, RuntimeError) and (server.process.returncode or 0) >= SIGNAL_EXIT
+            if attempt == attempts - 1 or not (isinstance(error, TimeoutError) or port_taken or crashed):
                 raise
+            if crashed:
+                warnings.warn(
+                    f"server died while its models loaded; started again: {error}", RuntimeWarning, stacklevel=2
+                )
             print(f"server start failed ({type(error).__name__}); starting again on other ports", flush=True)
     raise AssertionError("unreachable")
