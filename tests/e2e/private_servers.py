@@ -28,6 +28,7 @@ __all__ = [
     "metric",
     "model_ready",
     "readme_lora_repository",
+    "readme_repository",
     "scrape",
     "stub_processes",
     "wait_for",
@@ -92,16 +93,28 @@ def serving(repository: Path, log_path: Path, *server_args: str) -> Iterator[Ser
         server.stop()
 
 
-def readme_lora_commands() -> list[str]:
-    """The README's LoRA block: the repository copy and the sed that turns LoRA on."""
+def readme_repository_commands(repository: str) -> list[str]:
+    """The shell lines of the README block that makes `repository` (from its `cp -r model_repository`
+    line up to the line that serves it)."""
     readme = (REPO_ROOT / "README.md").read_text()
-    block = readme.split("cp -r model_repository /tmp/lora_repository", 1)[1].split("```", 1)[0]
-    sed = next(line for line in block.splitlines() if line.startswith("sed -i"))
-    return ["cp -r model_repository /tmp/lora_repository", sed]
+    first = f"cp -r model_repository {repository}"
+    block = readme.split(first, 1)[1].split("```", 1)[0]
+    lines = []
+    for line in block.splitlines():
+        if line.startswith(".venv/bin/triton-vllm-multistep serve"):
+            return [first, *lines]
+        if line.strip():
+            lines.append(line)
+    raise AssertionError(f"the README block of {repository} has no serve line")
+
+
+def readme_repository(readme_path: str, target: Path) -> Path:
+    """A repository made by the README's own commands (shell, from the project root) at `target`."""
+    for command in readme_repository_commands(readme_path):
+        subprocess.run(command.replace(readme_path, str(target)), shell=True, check=True, cwd=REPO_ROOT)
+    return target
 
 
 def readme_lora_repository(target: Path) -> Path:
-    """The README's LoRA repository, made by its own commands (shell, from the project root) at `target`."""
-    for command in readme_lora_commands():
-        subprocess.run(command.replace("/tmp/lora_repository", str(target)), shell=True, check=True, cwd=REPO_ROOT)
-    return target
+    """The README's LoRA repository, made by its own commands at `target`."""
+    return readme_repository("/tmp/lora_repository", target)

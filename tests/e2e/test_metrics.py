@@ -35,6 +35,7 @@ GAUGES = (
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
     "vllm:gpu_cache_usage_perc",
+    "vllm:kv_cache_usage_perc",
     "vllm_multistep:kv_cache_free_blocks",
     "vllm_multistep:kv_cache_total_blocks",
     "vllm_multistep:engine_alive",
@@ -182,5 +183,6 @@ def test_request_counters_and_histograms_count_exactly_what_was_served(server) -
     assert delta(after, "vllm_multistep:step_host_overhead_seconds_sum") > 0
     # Idle again: nothing running or waiting, the KV cache entirely free, no step waiting for responses.
     assert after["vllm:gpu_cache_usage_perc"] == 0
+    assert after["vllm:kv_cache_usage_perc"] == 0
     assert after["vllm_multistep:response_queue_steps"] == 0
     assert after["vllm_multistep:kv_cache_free_blocks"] == after["vllm_multistep:kv_cache_total_blocks"] > 0

@@ -1,27 +1,48 @@
 """A `vllm_engine: v1` model through the real server: vLLM's current engine (.venv-v1) behind the
 same tensors, streaming one response per decoded step with exactly the tokens of the V1 engine's
-own offline LLM (greedy and seeded), streamed = whole; what V1 removed is refused for that request
-alone; multi-step settings on a V1 model fail its load naming both.
+own offline LLM (greedy and seeded), streamed = whole; text prompts tokenized and each step's text
+made in the V1 environment, shown with a model this environment's transformers cannot load (a tiny
+random SmolLM3); structured output as V1's own; the KV-cache gauges under both engines' names; the
+README's V1 block (SmolLM2 on V1, made by its commands, answering its client command); what V1
+removed is refused for that request alone; multi-step settings on a V1 model fail its load naming
+both.
 
-Owns the served V1 checks on a server of its own (the tiny demo model; the engine-process seam is
-tests/engine/test_v1_engine_process.py's).
+Owns the served V1 checks on a server of its own (the tiny demo model, the SmolLM3 and the
+README's SmolLM2 on V1; the engine-process seam is tests/engine/test_v1_engine_process.py's).
 """
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
-from private_servers import make_repository, model_ready, serving
+from private_servers import (
+    REPO_ROOT,
+    make_repository,
+    metric,
+    model_ready,
+    readme_repository,
+    scrape,
+    serving,
+    wait_for,
+)
 from served_models import TINY_ENGINE
 from triton_clients import grpc_generate
 
+from triton_vllm_multistep.checks import adapters
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.host.launcher import v1_environment_python
-from triton_vllm_multistep.testing.local_server import ServerProcess
-from triton_vllm_multistep.testing.v1_reference import offline_v1_tokens
+from triton_vllm_multistep.testing import smollm3
+from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model
+from triton_vllm_multistep.testing.v1_reference import offline_v1_outputs
 
 V1 = "llm_v1"
 V1_WITH_STEPS = "llm_v1_with_steps"
@@ -30,50 +51,96 @@ TOKENS = 24
 GREEDY = {"temperature": 0.0, "max_tokens": TOKENS, "ignore_eos": True}
 SEEDED = {"temperature": 0.8, "top_p": 0.9, "seed": 11, "max_tokens": TOKENS, "ignore_eos": True}
 PROMPTS = ((1, 5, 9, 12, 40), (3, 4, 5), (7, 8, 2, 2, 6, 100, 3))
+SMOLLM3 = "smollm3_v1"  # served on V1; transformers 4.51 (this environment's) cannot load it
+SMOLLM3_PROMPT_LIMIT = 24  # its config.pbtxt max_prompt_tokens
+TEXT_PROMPTS = ("The capital of France is", "hello world, hello", "a b c d e f g")
+README_REPOSITORY, README_MODEL = "/tmp/v1_repository", "vllm_model"
+STRUCTURED = {
+    "choice": ({"choice": ["yes", "no", "maybe"]}, lambda text: text in ("yes", "no", "maybe")),
+    "regex": ({"regex": "[a-c]{2}[0-9]{3}"}, lambda text: re.fullmatch("[a-c]{2}[0-9]{3}", text) is not None),
+}
+STRUCTURED_PROMPT, STRUCTURED_SAMPLING = "Answer:", {"temperature": 0.0, "max_tokens": 16}
+
+
+V1_LORA = "llm_v1_lora"
+V1_LORA_ENGINE = {**V1_ENGINE, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+LORA_NAMES = ("doll", "sheep")  # multi_lora.json's order: lora_int_id 1, 2
+SHIPPED_MODEL = REPO_ROOT / "model_repository" / "vllm_model"
+
+
+def lora_adapters(root: Path) -> dict[str, Path]:
+    """Two PEFT adapters of the tiny model (checks/adapters.py), made once per server."""
+    model_dir = demo_models.build("tiny-llama-bpe")
+    return {
+        "doll": adapters.write_adapter(model_dir, root / "adapter-doll", seed=11),
+        "sheep": adapters.write_adapter(
+            model_dir, root / "adapter-sheep", seed=12, target_modules=(*adapters.MLP, "v_proj")
+        ),
+    }
+
+
+def v1_python() -> Path:
+    python = v1_environment_python()
+    assert python is not None, "scripts/setup.sh builds .venv-v1"
+    return Path(python)
 
 
 @pytest.fixture(scope="module")
 def v1_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> Iterator[ServerProcess]:
     root: Path = tmp_path_factory.mktemp("v1_served")
+    smollm3_engine = {**V1_ENGINE, "model": str(smollm3.build(v1_python()))}
+    readme_made = readme_repository(README_REPOSITORY, root / "readme_v1_repository")
     repository = make_repository(
         root,
         {
             V1: {"engine": V1_ENGINE, "parameters": {"vllm_engine": "v1"}},
             V1_WITH_STEPS: {"engine": {"enforce_eager": True}, "parameters": {"vllm_engine": "v1"}},
+            SMOLLM3: {
+                "engine": smollm3_engine,
+                "parameters": {"vllm_engine": "v1", "max_prompt_tokens": str(SMOLLM3_PROMPT_LIMIT)},
+            },
         },
     )
-    with serving(
-        repository, root / "tritonserver.log", "--model-control-mode=explicit", f"--load-model={V1}"
-    ) as server:
+    # The README's V1 model (SmolLM2 on V1, made by the README's commands), as it names it.
+    shutil.copytree(readme_made / README_MODEL, repository / README_MODEL)
+    # Multi-LoRA as Triton's vLLM backend configures it: multi_lora.json beside model.json.
+    copy_model(SHIPPED_MODEL, repository / V1_LORA, {**TINY_ENGINE, **V1_LORA_ENGINE}, {"vllm_engine": "v1"})
+    for name, folder in lora_adapters(root).items():
+        shutil.copytree(folder, repository / V1_LORA / "1" / "adapters" / name)
+    entries = {name: f"adapters/{name}" for name in LORA_NAMES}
+    (repository / V1_LORA / "1" / "multi_lora.json").write_text(json.dumps(entries))
+    loaded = (V1, SMOLLM3, README_MODEL, V1_LORA)
+    args = ("--model-control-mode=explicit", *(f"--load-model={m}" for m in loaded))
+    with serving(repository, root / "tritonserver.log", *args) as server:
         yield server
 
 
+def served_fields(model: str) -> dict:
+    """model.json's engine arguments as served (the CPU config's float32, the shipped seed)."""
+    fields = {**TINY_ENGINE, **V1_ENGINE, "model": model, "seed": 0, "dtype": "float32"}
+    return {key: value for key, value in fields.items() if value is not None}
+
+
 @pytest.fixture(scope="module")
-def offline(demo_model_paths: dict) -> dict[str, list[int]]:
-    python = v1_environment_python()
-    assert python is not None, "scripts/setup.sh builds .venv-v1"
-    # As served: the CPU config's engine_args (float32) and the shipped model.json's seed.
-    fields = {
-        **TINY_ENGINE,
-        **V1_ENGINE,
-        "model": str(demo_models.build("tiny-llama-bpe")),
-        "seed": 0,
-        "dtype": "float32",
-    }
-    fields = {key: value for key, value in fields.items() if value is not None}
-    requests = [(f"{kind}-{i}", ids, sampling) for kind, sampling in (("greedy", GREEDY), ("seeded", SEEDED))
-                for i, ids in enumerate(PROMPTS)]  # fmt: skip
-    return offline_v1_tokens(python, fields, requests)
+def offline(demo_model_paths: dict) -> dict[str, tuple[list[int], str]]:
+    """The tiny model's references, in one offline V1 LLM: the id prompts' and the structured ones'."""
+    requests: list = [(f"{kind}-{i}", ids, sampling) for kind, sampling in (("greedy", GREEDY), ("seeded", SEEDED))
+                      for i, ids in enumerate(PROMPTS)]  # fmt: skip
+    requests += [
+        (kind, STRUCTURED_PROMPT, {**STRUCTURED_SAMPLING, "structured_outputs": constraint})
+        for kind, (constraint, _) in STRUCTURED.items()
+    ]
+    return offline_v1_outputs(v1_python(), served_fields(str(demo_models.build("tiny-llama-bpe"))), requests)
 
 
 @pytest.mark.parametrize(("kind", "sampling"), [("greedy", GREEDY), ("seeded", SEEDED)])
 def test_v1_streams_one_response_per_step_with_its_offline_tokens_and_whole_equals_streamed(
-    v1_server: ServerProcess, offline: dict[str, list[int]], kind: str, sampling: dict
+    v1_server: ServerProcess, offline: dict[str, tuple[list[int], str]], kind: str, sampling: dict
 ) -> None:
     for i, ids in enumerate(PROMPTS):
         streamed = grpc_generate(v1_server.grpc_url, V1, input_ids=list(ids), sampling=sampling, stream=True)
         assert streamed.error is None and streamed.finals == 1, streamed.error
-        assert streamed.token_ids() == offline[f"{kind}-{i}"]
+        assert streamed.token_ids() == offline[f"{kind}-{i}"][0]
         assert [len(r["output_ids"]) for r in streamed.data_responses] == [1] * TOKENS  # one per step
         whole = grpc_generate(v1_server.grpc_url, V1, input_ids=list(ids), sampling=sampling, stream=False)
         assert whole.error is None and whole.token_ids() == streamed.token_ids()
@@ -92,3 +159,154 @@ def test_num_scheduler_steps_on_a_v1_model_fails_its_load_naming_both(v1_server:
         with pytest.raises(Exception, match="'vllm_engine'='v1' and model.json 'num_scheduler_steps'=8 disagree"):
             client.load_model(V1_WITH_STEPS)
     assert model_ready(v1_server, V1) and not model_ready(v1_server, V1_WITH_STEPS)
+
+
+def test_a_model_this_environments_transformers_cannot_load_serves_text_on_v1_exactly(
+    v1_server: ServerProcess,
+) -> None:
+    """Text in, text out, with nothing of the model loaded in .venv: the V1 engine process tokenizes
+    the prompt and makes each step's text. Greedy and seeded, streamed one response per step, equal
+    to V1's offline LLM on the same text (ids and text); whole = streamed, the prompt prepended as
+    Triton's vLLM backend does for a whole answer."""
+    import transformers
+
+    path = smollm3.build(v1_python())
+    with pytest.raises(ValueError, match="does not recognize this architecture"):
+        transformers.AutoConfig.from_pretrained(path)
+    samplings = {"greedy": GREEDY, "seeded": SEEDED}
+    requests = [(f"{kind}-{i}", text, sampling) for kind, sampling in samplings.items()
+                for i, text in enumerate(TEXT_PROMPTS)]  # fmt: skip
+    offline = offline_v1_outputs(v1_python(), served_fields(str(path)), requests)
+    for request_id, text, sampling in requests:
+        ids, answer = offline[request_id]
+        streamed = grpc_generate(
+            v1_server.grpc_url, SMOLLM3, prompt=text, sampling=sampling, stream=True, return_num_input_tokens=True
+        )
+        assert streamed.error is None and streamed.finals == 1, streamed.error
+        assert streamed.token_ids() == ids, request_id
+        assert streamed.text() == answer, request_id
+        # The prompt's length as the V1 process counted it, in every response.
+        counts = {int(r["num_input_tokens"][0]) for r in streamed.data_responses}
+        assert len(counts) == 1 and counts.pop() >= len(text.split()), request_id
+        assert [len(r["output_ids"]) for r in streamed.data_responses] == [1] * TOKENS
+        whole = grpc_generate(v1_server.grpc_url, SMOLLM3, prompt=text, sampling=sampling, stream=False)
+        assert whole.error is None and whole.token_ids() == ids
+        assert whole.text() == text + answer
+
+
+def test_a_text_prompt_over_the_limit_fails_alone_in_the_stubs_words(v1_server: ServerProcess) -> None:
+    """The V1 environment counts a text prompt's tokens; over config.pbtxt max_prompt_tokens it is
+    refused in the words the stub uses for token ids, that request alone."""
+    long_prompt = " ".join(["hello world"] * 40)
+    refused = grpc_generate(v1_server.grpc_url, SMOLLM3, prompt=long_prompt, sampling=GREEDY, stream=True)
+    assert refused.error is not None and refused.finals == 1
+    limit_words = rf"the prompt has \d+ tokens, more than this model's limit of {SMOLLM3_PROMPT_LIMIT}"
+    assert re.search(limit_words, refused.error), refused.error
+    ids_refused = grpc_generate(
+        v1_server.grpc_url, SMOLLM3, input_ids=[5] * (SMOLLM3_PROMPT_LIMIT + 1), sampling=GREEDY, stream=True
+    )
+    assert ids_refused.error is not None
+    assert f"the prompt has {SMOLLM3_PROMPT_LIMIT + 1} tokens, more than this model's limit" in ids_refused.error
+    prepend_ids = grpc_generate(
+        v1_server.grpc_url, SMOLLM3, input_ids=[5, 6], sampling=GREEDY, stream=False, exclude_input_in_output=False
+    )
+    assert prepend_ids.error is not None and "needs the prompt as 'text_input'" in prepend_ids.error
+    after = grpc_generate(v1_server.grpc_url, SMOLLM3, prompt="hello", sampling=GREEDY, stream=True)
+    assert after.error is None and len(after.token_ids()) == TOKENS
+
+
+def test_a_v1_model_publishes_the_kv_cache_use_under_both_engines_names(v1_server: ServerProcess) -> None:
+    """V1's scheduler stats feed the same gauges: vllm:kv_cache_usage_perc (V1's name) and
+    vllm:gpu_cache_usage_perc (V0's), equal, above 0 while a request holds blocks, 0 after."""
+    long = {**GREEDY, "max_tokens": 400}
+    running = threading.Thread(
+        target=grpc_generate, args=(v1_server.grpc_url, V1), kwargs={"input_ids": [1, 2, 3], "sampling": long}
+    )
+    running.start()
+    seen: list[tuple[float | None, float | None]] = []
+
+    def in_use() -> bool:
+        text = scrape(v1_server)
+        seen.append((metric(text, "vllm:kv_cache_usage_perc", V1), metric(text, "vllm:gpu_cache_usage_perc", V1)))
+        return (seen[-1][0] or 0) > 0
+
+    assert wait_for(in_use, 60, interval=0.05), seen[-3:]
+    running.join(timeout=120)
+    assert seen[-1][0] == seen[-1][1]
+    assert wait_for(lambda: metric(scrape(v1_server), "vllm:kv_cache_usage_perc", V1) == 0, 30)
+    assert metric(scrape(v1_server), "vllm:gpu_cache_usage_perc", V1) == 0
+
+
+def test_the_readmes_v1_model_answers_its_client_command_as_v1s_offline_llm(v1_server: ServerProcess) -> None:
+    """The README's V1 block: the shipped SmolLM2 model with `vllm_engine: v1` and no
+    num_scheduler_steps (made by the README's own commands) answers the README's client command with
+    the text V1's offline LLM gives for that prompt and the client's sampling."""
+    engine = json.loads((REPO_ROOT / "model_repository" / README_MODEL / "1" / "model.json").read_text())
+    assert "num_scheduler_steps" in engine  # the README's sed removes it from the copy
+    prompt = "The capital of France is"
+    fields = {
+        **{key: value for key, value in engine.items() if key != "num_scheduler_steps"},
+        "model": str(demo_models.build(engine["model"].removeprefix("demo://"))),
+        "dtype": "float32",  # configs/cpu.pbtxt's engine_args
+    }
+    ((_, answer),) = offline_v1_outputs(
+        v1_python(), fields, [("readme", prompt, {"max_tokens": 32, "temperature": 0.0})]
+    ).values()
+    done = subprocess.run(
+        [sys.executable, "client_examples/grpc_stream.py", prompt, "--url", v1_server.grpc_url],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=REPO_ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == answer + "\n"
+    assert answer.strip()
+
+
+@pytest.mark.parametrize("kind", sorted(STRUCTURED))
+def test_structured_output_on_v1_is_v1s_own_exactly_streamed_and_whole(
+    v1_server: ServerProcess, offline: dict[str, tuple[list[int], str]], kind: str
+) -> None:
+    """A request's `guided_decoding` (Triton's vLLM backend's name) is V1's `structured_outputs`: the
+    constrained answer equals V1's offline LLM with structured_outputs, streamed = whole."""
+    constraint, valid = STRUCTURED[kind]
+    ids, answer = offline[kind]
+    served = {**STRUCTURED_SAMPLING, "guided_decoding": constraint}
+    streamed = grpc_generate(v1_server.grpc_url, V1, prompt=STRUCTURED_PROMPT, sampling=served, stream=True)
+    assert streamed.error is None, streamed.error
+    assert streamed.token_ids() == ids and streamed.text() == answer and valid(answer), (answer, streamed.text())
+    whole = grpc_generate(
+        v1_server.grpc_url, V1, prompt=STRUCTURED_PROMPT, sampling=served, stream=False, exclude_input_in_output=True
+    )
+    assert whole.error is None and whole.text() == answer
+
+
+def test_multi_lora_on_v1_serves_each_adapter_as_v1s_offline_llm_with_it(v1_server: ServerProcess) -> None:
+    """multi_lora.json's adapters and the base, by `lora_name`, greedy: each equals V1's offline LLM with
+    that adapter (LoRARequest), streamed one response per step; the adapters change the answer."""
+    repository_model = v1_server_repository_model(v1_server)
+    fields = {**served_fields(str(demo_models.build("tiny-llama-bpe"))), **V1_LORA_ENGINE}
+    fields = {key: value for key, value in fields.items() if value is not None}
+    prompt = [1, 5, 9, 12, 40]
+    requests = [("base", prompt, GREEDY, None)] + [
+        (name, prompt, GREEDY, (name, index, str(repository_model / "1" / "adapters" / name)))
+        for index, name in enumerate(LORA_NAMES, start=1)
+    ]
+    offline = offline_v1_outputs(v1_python(), fields, requests)
+    for name in ("base", *LORA_NAMES):
+        sampling = GREEDY if name == "base" else {**GREEDY, "lora_name": name}
+        streamed = grpc_generate(v1_server.grpc_url, V1_LORA, input_ids=prompt, sampling=sampling, stream=True)
+        assert streamed.error is None, streamed.error
+        assert streamed.token_ids() == offline[name][0], name
+        assert [len(r["output_ids"]) for r in streamed.data_responses] == [1] * TOKENS
+    assert len({tuple(offline[name][0]) for name in ("base", *LORA_NAMES)}) == 3  # the adapters act
+    unknown = grpc_generate(v1_server.grpc_url, V1_LORA, input_ids=prompt, sampling={**GREEDY, "lora_name": "ghost"})
+    assert unknown.error is not None and "LoRA ghost is not supported" in unknown.error
+
+
+def v1_server_repository_model(server: ServerProcess) -> Path:
+    """The LoRA model's folder in the server's repository (the adapters' paths as the stub sends them)."""
+    (folder,) = Path(server.log_path).parent.glob(f"repository/{V1_LORA}")
+    return folder

@@ -365,3 +365,32 @@ def test_structured_output_as_a_json_string_or_an_object_becomes_vllms_guided_de
         assert {key: getattr(guided, key) for key in expected} == expected
         others = set(codec.CONSTRAINT_KINDS) - set(expected)
         assert all(getattr(guided, key) is None for key in others)
+
+
+def engine_tokenized(inputs: dict[str, np.ndarray], model: codec.ModelLimits = MODEL) -> codec.GenerationRequest:
+    """As a V1 model's stub decodes: no tokenizer here (encode, decode None)."""
+    return codec.decode_request(inputs, None, model, encode=None, decode=None)
+
+
+def test_without_a_tokenizer_a_text_prompt_goes_to_the_engine_as_text() -> None:
+    generation = engine_tokenized({"text_input": text("hello there"), "stream": boolean(False)})
+    assert generation.prompt_token_ids == [] and generation.prompt_text == "hello there"
+    assert generation.prepend_prompt  # a whole answer gets its prompt's text, which the stub has
+    sent = codec.engine_request(generation, "r")
+    assert sent.prompt_text == "hello there" and sent.prompt_token_ids == ()
+    ids = engine_tokenized({"input_ids": np.array([1, 2], dtype=np.int32)})
+    assert codec.engine_request(ids, "r").prompt_text is None  # token ids cross as ids
+
+
+def test_without_a_tokenizer_token_ids_are_still_checked_here_and_what_needs_one_is_refused() -> None:
+    too_long = {"input_ids": np.arange(1, 66, dtype=np.int32) % VOCAB}
+    with pytest.raises(codec.RequestError, match="the prompt has 65 tokens, more than this model's limit of 64"):
+        engine_tokenized(too_long)
+    prepend_ids = {"input_ids": np.array([1, 2], dtype=np.int32), "exclude_input_in_output": boolean(False)}
+    with pytest.raises(codec.RequestError, match="needs the prompt as 'text_input', not 'input_ids'"):
+        engine_tokenized(prepend_ids)
+    window = {"input_ids": np.array([1, 2], dtype=np.int32), "return_detokenization_window": boolean(True)}
+    with pytest.raises(codec.RequestError, match="return_detokenization_window .* is not served on V1"):
+        engine_tokenized(window)
+    with pytest.raises(codec.RequestError, match="'text_input' is empty"):
+        engine_tokenized({"text_input": text("")})

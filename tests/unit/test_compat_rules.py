@@ -310,6 +310,7 @@ def test_two_instances_add_their_gauges_instead_of_overwriting_them() -> None:
     assert pb.value("vllm:num_requests_waiting") == 3
     assert pb.value("vllm_multistep:kv_cache_total_blocks") == 200
     assert pb.value("vllm:gpu_cache_usage_perc") == pytest.approx(0.2)  # mean of 0.4 and 0
+    assert pb.value("vllm:kv_cache_usage_perc") == pytest.approx(0.2)  # V1's name for the same figure
     assert pb.value("vllm_multistep:engine_alive") == 2
     first.update_engine_state(KvCacheStats(free_blocks=100, total_blocks=100, running=0, waiting=0))
     first.flush()

@@ -39,6 +39,23 @@ class EngineRequest:
     sampling: Mapping[str, Any] = field(default_factory=dict)
     adapter: tuple[str, int, str] | None = None
     images: tuple[bytes, ...] = ()
+    # A text prompt the engine tokenizes itself (`prompt_token_ids` empty): a V1 model's, whose
+    # tokenizer lives in the V1 environment only (engine_v1/process.py checks its length).
+    prompt_text: str | None = None
+
+
+EMPTY_PROMPT_MESSAGE = "the prompt has no tokens: 'text_input' or 'input_ids' is empty"
+
+
+def prompt_limit(max_model_len: int, max_prompt_tokens: int) -> int:
+    """The most prompt tokens a model takes: max_model_len, or config.pbtxt max_prompt_tokens if lower."""
+    return min(max_model_len, max_prompt_tokens) if max_prompt_tokens else max_model_len
+
+
+def prompt_too_long_message(tokens: int, limit: int) -> str:
+    """A prompt over the model's limit (max_model_len, or config.pbtxt max_prompt_tokens if lower),
+    in the same words whichever side tokenized it (the stub, or a V1 engine process)."""
+    return f"the prompt has {tokens} tokens, more than this model's limit of {limit}"
 
 
 class TokenLogprob(NamedTuple):

@@ -32,6 +32,8 @@ class EngineSpec:
     cpus: tuple[int, ...] = ()  # config.pbtxt engine_cpus; empty: the CPUs it inherits
     # multi_lora.json's adapters as (name, lora_int_id, path), loaded once at start (warmup.preload_adapters)
     lora_adapters: tuple[tuple[str, int, str], ...] = ()
+    # config.pbtxt max_prompt_tokens (0: max_model_len only), for prompts the engine tokenizes (V1)
+    max_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,15 @@ from typing import Any
 
 from triton_vllm_multistep.engine import cpu_placement
 from triton_vllm_multistep.engine.events import (
+    EMPTY_PROMPT_MESSAGE,
     EngineBuildError,
     EngineDied,
     EngineFacts,
     EngineRequest,
     RequestFailed,
     StepOutputs,
+    prompt_limit,
+    prompt_too_long_message,
 )
 from triton_vllm_multistep.engine.messages import Abort, Built, EngineSpec, Serve, Stop, Stopped, build_failure, sender
 from triton_vllm_multistep.engine.outputs import plain_outputs
@@ -61,9 +64,13 @@ def build_engine(spec: EngineSpec) -> tuple[Any, stats.SchedulerStatsLogger]:
 def engine_facts(engine: Any) -> EngineFacts:
     model_config = engine.vllm_config.model_config
     lora_config = engine.vllm_config.lora_config
+    tokenizer = engine.get_tokenizer()
+    # Token ids a request may name: the model's and the tokenizer's both (the stub checks input_ids
+    # and logit_bias against it; it has no tokenizer of a V1 model).
+    tokenizer_vocab = getattr(tokenizer, "max_token_id", len(tokenizer) - 1) + 1
     return EngineFacts(
         model=str(model_config.model),
-        vocab_size=model_config.get_vocab_size(),
+        vocab_size=min(model_config.get_vocab_size(), tokenizer_vocab),
         max_model_len=model_config.max_model_len,
         multimodal=bool(model_config.is_multimodal_model),
         num_scheduler_steps=1,
@@ -76,10 +83,14 @@ def engine_facts(engine: Any) -> EngineFacts:
 class EngineThread:
     """The engine's one caller: commands in through a queue, events out through `send`."""
 
-    def __init__(self, engine: Any, send: Any, recorder: stats.SchedulerStatsLogger) -> None:
+    def __init__(
+        self, engine: Any, send: Any, recorder: stats.SchedulerStatsLogger, max_prompt_tokens: int = 0
+    ) -> None:
         self.engine = engine
         self.send = send
         self.recorder = recorder
+        self.tokenizer = engine.get_tokenizer()
+        self.prompt_limit = prompt_limit(engine.vllm_config.model_config.max_model_len, max_prompt_tokens)
         self.commands: queue.Queue[Any] = queue.Queue()
         self.serve: Serve | None = None
         self.in_flight: set[str] = set()
@@ -139,13 +150,24 @@ class EngineThread:
                 lora = LoRARequest(*request.adapter)
             if request.images:
                 raise UnsupportedOnV1("images: this backend serves images on V1 on GPU hosts only")
-            self.engine.add_request(
-                request.request_id, {"prompt_token_ids": list(request.prompt_token_ids)}, params, lora_request=lora
-            )
-        except Exception as error:  # this request alone: refused in vLLM's words
+            prompt = self._prompt(request)
+            self.engine.add_request(request.request_id, prompt, params, lora_request=lora)
+        except Exception as error:  # this request alone: refused in vLLM's words (or the stub's)
             self.send(RequestFailed(request.request_id, str(error)))
             return
         self.in_flight.add(request.request_id)
+
+    def _prompt(self, request: EngineRequest) -> dict[str, Any]:
+        """The prompt as V1 takes it: a text prompt tokenized here, as V1's own input processing does
+        (the tokenizer's `encode`, special tokens added), and checked as the stub checks token ids."""
+        if request.prompt_text is None:
+            return {"prompt_token_ids": list(request.prompt_token_ids)}
+        ids = self.tokenizer.encode(request.prompt_text)
+        if not ids:
+            raise ValueError(EMPTY_PROMPT_MESSAGE)
+        if len(ids) > self.prompt_limit:
+            raise ValueError(prompt_too_long_message(len(ids), self.prompt_limit))
+        return {"prompt_token_ids": ids, "prompt": request.prompt_text}
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -184,7 +206,7 @@ def serve_engine(connection: Connection) -> None:
     import torch
 
     send(Built(facts, torch.get_num_threads()))
-    runner = EngineThread(engine, send, recorder)
+    runner = EngineThread(engine, send, recorder, spec.max_prompt_tokens)
     runner.start()
     try:
         while not runner.stopped.is_set():

@@ -19,7 +19,14 @@ import numpy as np
 if TYPE_CHECKING:  # vLLM is imported where used: auto_complete_config's stub never needs it
     from vllm.sampling_params import SamplingParams
 
-from triton_vllm_multistep.engine.events import EngineOutput, EngineRequest, TokenLogprob
+from triton_vllm_multistep.engine.events import (
+    EMPTY_PROMPT_MESSAGE,
+    EngineOutput,
+    EngineRequest,
+    TokenLogprob,
+    prompt_limit,
+    prompt_too_long_message,
+)
 from triton_vllm_multistep.interface import (
     BOOL_INPUTS,
     IMAGE_INPUT,
@@ -437,12 +444,14 @@ def decode_request(
     inputs: Mapping[str, np.ndarray],
     parameters_json: str | None,
     model: ModelLimits,
-    encode: Callable[[str], list[int]],
-    decode: Callable[[list[int]], str],
+    encode: Callable[[str], list[int]] | None,
+    decode: Callable[[list[int]], str] | None,
     outputs: frozenset[str] | None = None,
 ) -> GenerationRequest:
     """Triton inputs (name → array) and request parameters (JSON) → a validated request; `outputs`:
-    the outputs the client asked for (None: all)."""
+    the outputs the client asked for (None: all). Without `encode`/`decode` (a V1 model: its
+    tokenizer is in the V1 environment) a text prompt goes to the engine as text, which tokenizes
+    it and checks its length (in these words: engine/events.py)."""
     # Images have limits of their own (max_image_bytes each, limit_mm_per_prompt of them).
     size = sum(_payload_bytes(array) for name, array in inputs.items() if name != IMAGE_INPUT)
     if size > model.limits.max_request_bytes:
@@ -472,20 +481,19 @@ def decode_request(
         prompt_text = string_input("text_input", inputs["text_input"])
         if not prompt_text:
             raise RequestError("the prompt has no tokens: 'text_input' is empty")
-        prompt_ids = encode(prompt_text)
+        prompt_ids = [] if encode is None else encode(prompt_text)
     else:
         array = inputs["input_ids"]
         if array.dtype.kind not in "iu":
             raise RequestError(f"input 'input_ids' must be INT32, got {array.dtype}")
         prompt_ids = [int(x) for x in array.reshape(-1)]
         _check_vocabulary("input 'input_ids'", prompt_ids, model.vocab_size)
-    if not prompt_ids:
-        raise RequestError("the prompt has no tokens: 'text_input' or 'input_ids' is empty")
-    limit = model.max_model_len
-    if model.limits.max_prompt_tokens:
-        limit = min(limit, model.limits.max_prompt_tokens)
+    engine_tokenizes = has_text and encode is None
+    if not prompt_ids and not engine_tokenizes:
+        raise RequestError(EMPTY_PROMPT_MESSAGE)
+    limit = prompt_limit(model.max_model_len, model.limits.max_prompt_tokens)
     if len(prompt_ids) > limit:
-        raise RequestError(f"the prompt has {len(prompt_ids)} tokens, more than this model's limit of {limit}")
+        raise RequestError(prompt_too_long_message(len(prompt_ids), limit))
 
     flags = {name: _bool_input(name, inputs.get(name)) for name in BOOL_INPUTS}
     stream = bool(flags["stream"])
@@ -505,10 +513,20 @@ def decode_request(
     adapter = adapter_for(fields.pop(LORA_NAME_FIELD, None), model.adapters, source)
     params, plain_sampling = sampling_params(fields, stream, model, source)
     if not exclude and prompt_text is None:
+        if decode is None:
+            raise RequestError(
+                f"{model.model_name} runs on vLLM's V1 engine, whose tokenizer is in its own environment: "
+                "'exclude_input_in_output': false needs the prompt as 'text_input', not 'input_ids'"
+            )
         prompt_text = decode(prompt_ids)
     returns = ReturnFlags(**{name.removeprefix("return_"): bool(flags[name]) for name in RETURN_FLAGS})
     if returns.detokenization_window and params.n > 1:
         raise RequestError("return_detokenization_window supports one completion per request (n=1)")
+    if returns.detokenization_window and decode is None:
+        raise RequestError(
+            f"{model.model_name} runs on vLLM's V1 engine: return_detokenization_window (the ensemble's "
+            "postprocessing windows) is not served on V1 yet"
+        )
     return GenerationRequest(
         prompt_token_ids=prompt_ids,
         sampling_params=params,
@@ -534,6 +552,7 @@ def engine_request(request: GenerationRequest, request_id: str) -> EngineRequest
         request.sampling,
         None if adapter is None else adapter.engine_value(),
         request.images,
+        request.prompt_text if not request.prompt_token_ids else None,
     )
 
 

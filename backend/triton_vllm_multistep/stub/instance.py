@@ -14,7 +14,6 @@ import os
 import time
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from triton_vllm_multistep.demo.smollm2 import DemoModelError
@@ -187,7 +186,7 @@ class ModelServer:
 
     def _start_engine(self, args: dict[str, str]) -> Any:
         """Phase 2: the engine built and its runner started (in a process of its own unless settings
-        say otherwise); returns the EngineArgs, which the stub's tokenizers follow."""
+        say otherwise); returns the EngineArgs, which the stub's tokenizers follow (None on V1)."""
         model, settings = self.model_settings, self.settings
         # The environment the engine runs with, set before the engine process starts (it inherits it).
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_space_gib))
@@ -221,10 +220,11 @@ class ModelServer:
         self.engine_in_process = engine_process is not None
         return built_args
 
-    def _start_v1_engine(self, engine_process: EngineProcess) -> Any:
+    def _start_v1_engine(self, engine_process: EngineProcess) -> None:
         """Phase 2 for `vllm_engine: v1`: the engine arguments go to the V1 environment as they are
-        (its vLLM checks them; its refusal is the load error); returns what the stub's tokenizers
-        read of them."""
+        (its vLLM checks them; its refusal is the load error). Returns None: nothing in this
+        environment loads a V1 model's config or tokenizer (transformers 4.51 here may not know
+        it); the engine process tokenizes text prompts and detokenizes each step."""
         model, settings = self.model_settings, self.settings
         if settings.engine_cpus:
             place_engine(settings.engine_cpus, dict(model.model_config), {}, self.model_name)
@@ -234,6 +234,7 @@ class ModelServer:
             cpus=settings.engine_cpus,
             use_ipex=False,
             lora_adapters=tuple(adapter.engine_value() for adapter in self.adapters or ()),
+            max_prompt_tokens=settings.limits.max_prompt_tokens,
         )
         from triton_vllm_multistep.engine.events import EngineBuildError
 
@@ -246,14 +247,7 @@ class ModelServer:
             raise
         self.loop = engine_process
         self.engine_in_process = True
-        values = model.engine_args
-        return SimpleNamespace(
-            model=values["model"],
-            tokenizer=values.get("tokenizer"),
-            tokenizer_mode=values.get("tokenizer_mode", "auto"),
-            trust_remote_code=bool(values.get("trust_remote_code", False)),
-            tokenizer_revision=values.get("tokenizer_revision"),
-        )
+        return None
 
     def _wire_response_path(self, args: dict[str, str], engine_args: Any) -> None:
         """Phase 3: what execute() needs, the metrics, the response thread and the drain watcher; then
@@ -267,12 +261,15 @@ class ModelServer:
             raise
 
     def _prepare_requests(self, engine_args: Any) -> None:
-        """execute()'s tokenizer and the model's request limits."""
+        """execute()'s tokenizer (none for a V1 model: `engine_args` None; its engine process reports
+        the vocabulary of model and tokenizer both) and the model's request limits."""
         facts = self.loop.facts
-        self._tokenizer = self._load_tokenizer(engine_args)
-        tokenizer_vocab = getattr(self._tokenizer, "max_token_id", len(self._tokenizer) - 1) + 1
+        self._tokenizer = None if engine_args is None else self._load_tokenizer(engine_args)
+        vocab_size = facts.vocab_size
+        if self._tokenizer is not None:
+            vocab_size = min(vocab_size, getattr(self._tokenizer, "max_token_id", len(self._tokenizer) - 1) + 1)
         self.limits = codec.ModelLimits(
-            vocab_size=min(facts.vocab_size, tokenizer_vocab),
+            vocab_size=vocab_size,
             max_model_len=facts.max_model_len,
             limits=self.settings.limits,
             model_name=facts.model,
@@ -312,7 +309,8 @@ class ModelServer:
             merge_when_behind=self.settings.stream_mode == "merge",
             caller=self.caller,
         )
-        self.responder.window_decode = window_decoder(self._load_tokenizer(engine_args))
+        if engine_args is not None:  # a V1 model has no detokenization windows (refused per request)
+            self.responder.window_decode = window_decoder(self._load_tokenizer(engine_args))
         self.responder.after_engine_death = self._after_engine_death_answered
         if self.heartbeat is not None:
             self.responder.heartbeat = self.heartbeat.beat
@@ -411,8 +409,8 @@ class ModelServer:
                     triton_io.input_arrays(self._pb, request, INPUT_NAMES),
                     request.parameters(),
                     self.limits,
-                    encode=self._tokenizer.encode,
-                    decode=self._tokenizer.decode,
+                    encode=None if self._tokenizer is None else self._tokenizer.encode,
+                    decode=None if self._tokenizer is None else self._tokenizer.decode,
                     outputs=triton_io.requested_outputs(request, OUTPUT_NAMES),
                 )
             except codec.RequestError as error:

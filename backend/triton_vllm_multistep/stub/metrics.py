@@ -189,6 +189,12 @@ class BackendMetrics:
             "KV-cache usage, 1 = full (CPU memory on CPU hosts; the mean over the model's instances)",
             weight=1.0 / max(1, instances),
         )
+        # V1's name for the same figure (vLLM 0.10+): dashboards of either engine's vLLM find it, on either engine.
+        self._kv_usage = gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage, 1 = full (vLLM V1's name; the mean over the model's instances)",
+            weight=1.0 / max(1, instances),
+        )
         self._free = gauge("vllm_multistep:kv_cache_free_blocks", "Free KV-cache blocks")
         self._total = gauge("vllm_multistep:kv_cache_total_blocks", "All KV-cache blocks")
         self._alive = gauge(
@@ -267,6 +273,7 @@ class BackendMetrics:
             self._running,
             self._waiting,
             self._usage,
+            self._kv_usage,
             self._free,
             self._total,
             self._alive,
@@ -432,7 +439,9 @@ class BackendMetrics:
             self._free.set(state.free_blocks)
             self._total.set(state.total_blocks)
             used = state.total_blocks - state.free_blocks
-            self._usage.set(used / state.total_blocks if state.total_blocks else 0.0)
+            usage = used / state.total_blocks if state.total_blocks else 0.0
+            self._usage.set(usage)
+            self._kv_usage.set(usage)
             self._prefix_hit_rate.set(state.prefix_cache_hit_rate)
         if state is not None and self._lora_family is not None:
             self._set_lora_info(state)

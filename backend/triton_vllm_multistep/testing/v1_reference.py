@@ -1,8 +1,9 @@
 """The V1 engine's own answers for the tests: vLLM's offline `LLM` in the V1 environment.
 
 Owns running `LLM.generate` of the V1 environment (.venv-v1) in a subprocess on plain requests
-(prompt token ids, SamplingParams fields) and returning each request's token ids: the reference a
-`vllm_engine: v1` model must equal, exactly. Knows nothing of servers or of what is asserted.
+(prompt token ids or text; V1's SamplingParams fields, `structured_outputs` as a dict) and
+returning each request's token ids and text: the reference a `vllm_engine: v1` model must equal,
+exactly. Knows nothing of servers or of what is asserted.
 """
 
 from __future__ import annotations
@@ -16,12 +17,22 @@ from typing import Any
 _SCRIPT = """
 import json, sys
 from vllm import LLM, SamplingParams
+from vllm.sampling_params import StructuredOutputsParams
 fields, requests = json.loads(sys.stdin.read())
 llm = LLM(**fields)
-params = [SamplingParams(**sampling) for _, _, sampling in requests]
-prompts = [{"prompt_token_ids": ids} for _, ids, _ in requests]
-outputs = llm.generate(prompts, params, use_tqdm=False)
-print("V1-REFERENCE", json.dumps({rid: list(o.outputs[0].token_ids) for (rid, _, _), o in zip(requests, outputs)}))
+def params_of(sampling):
+    if "structured_outputs" in sampling:
+        sampling = {**sampling, "structured_outputs": StructuredOutputsParams(**sampling["structured_outputs"])}
+    return SamplingParams(**sampling)
+params = [params_of(sampling) for _, _, sampling, _ in requests]
+prompts = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for _, p, _, _ in requests]
+adapters = None
+if any(adapter for *_, adapter in requests):
+    from vllm.lora.request import LoRARequest
+    adapters = [adapter and LoRARequest(*adapter) for *_, adapter in requests]
+outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=adapters)
+found = {r[0]: [list(o.outputs[0].token_ids), o.outputs[0].text] for r, o in zip(requests, outputs)}
+print("V1-REFERENCE", json.dumps(found))
 """
 
 
@@ -30,8 +41,24 @@ def offline_v1_tokens(
 ) -> dict[str, list[int]]:
     """Request id → the token ids V1's offline LLM gives (`requests`: id, prompt ids, sampling
     fields; an `output_kind` is dropped: offline answers are whole)."""
+    return {rid: ids for rid, (ids, _) in offline_v1_outputs(python, engine_fields, requests).items()}
+
+
+def offline_v1_outputs(
+    python: Path,
+    engine_fields: Mapping[str, Any],
+    requests: Sequence[tuple[str, Sequence[int] | str, Mapping[str, Any]] | tuple[str, Any, Any, Any]],
+) -> dict[str, tuple[list[int], str]]:
+    """Request id → (token ids, text) V1's offline LLM gives; a prompt is token ids or text (which
+    V1 tokenizes as it does any text prompt); a fourth item is a LoRA adapter as (name, id, path)."""
     plain = [
-        [rid, list(ids), {k: v for k, v in sampling.items() if k != "output_kind"}] for rid, ids, sampling in requests
+        [
+            rid,
+            prompt if isinstance(prompt, str) else list(prompt),
+            {k: v for k, v in sampling.items() if k != "output_kind"},
+            list(adapter[0]) if adapter and adapter[0] else None,
+        ]
+        for rid, prompt, sampling, *adapter in requests
     ]
     done = subprocess.run(
         [str(python), "-c", _SCRIPT],
@@ -45,4 +72,4 @@ def offline_v1_tokens(
         raise RuntimeError(f"offline V1 LLM failed:\n{done.stderr[-3000:]}")
     # vLLM logs to stdout too: the answer is the marked line.
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("V1-REFERENCE ")]
-    return json.loads(line.removeprefix("V1-REFERENCE "))
+    return {rid: (ids, text) for rid, (ids, text) in json.loads(line.removeprefix("V1-REFERENCE ")).items()}
