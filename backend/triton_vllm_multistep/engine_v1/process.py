@@ -35,10 +35,12 @@ from triton_vllm_multistep.engine.events import (
 )
 from triton_vllm_multistep.engine.messages import Abort, Built, EngineSpec, Serve, Stop, Stopped, build_failure, sender
 from triton_vllm_multistep.engine.outputs import plain_outputs
-from triton_vllm_multistep.engine_v1 import stats
+from triton_vllm_multistep.engine_v1 import cpu_lora, stats
 from triton_vllm_multistep.engine_v1.sampling import UnsupportedOnV1, sampling_params
 
 logger = logging.getLogger(__name__)
+if os.environ.get(cpu_lora.FIX_ENV):  # in vLLM's engine core too: spawned, it imports this module again
+    cpu_lora.exact_base_rows_in_mixed_batches()
 # What the engine thread waits for a command when it has nothing to step.
 IDLE_WAIT_SECONDS = 0.05
 
@@ -56,6 +58,11 @@ def build_engine(spec: EngineSpec) -> tuple[Any, stats.SchedulerStatsLogger]:
         engine_args = EngineArgs(**arguments)
     except (TypeError, ValueError) as error:  # model.json's fields, in vLLM's words
         raise EngineBuildError(f"vLLM {vllm.__version__} (V1) refuses model.json's engine arguments: {error}") from None
+    from vllm.platforms import current_platform
+
+    if engine_args.enable_lora and current_platform.is_cpu():
+        os.environ[cpu_lora.FIX_ENV] = "1"  # before the engine core starts: it inherits the environment
+        cpu_lora.exact_base_rows_in_mixed_batches()
     recorder = stats.SchedulerStatsLogger.factory()
     engine = LLMEngine.from_engine_args(engine_args, stat_loggers=[recorder])
     return engine, recorder.latest

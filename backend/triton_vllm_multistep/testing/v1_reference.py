@@ -18,7 +18,7 @@ _SCRIPT = """
 import json, sys
 from vllm import LLM, SamplingParams
 from vllm.sampling_params import StructuredOutputsParams
-fields, requests = json.loads(sys.stdin.read())
+fields, requests, separately = json.loads(sys.stdin.read())
 llm = LLM(**fields)
 def params_of(sampling):
     if "structured_outputs" in sampling:
@@ -30,7 +30,11 @@ adapters = None
 if any(adapter for *_, adapter in requests):
     from vllm.lora.request import LoRARequest
     adapters = [adapter and LoRARequest(*adapter) for *_, adapter in requests]
-outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=adapters)
+if separately:  # each request in a batch of its own
+    outputs = [llm.generate([p], [q], use_tqdm=False, lora_request=adapters and [adapters[i]])[0]
+               for i, (p, q) in enumerate(zip(prompts, params))]
+else:
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=adapters)
 found = {r[0]: [list(o.outputs[0].token_ids), o.outputs[0].text] for r, o in zip(requests, outputs)}
 print("V1-REFERENCE", json.dumps(found))
 """
@@ -48,9 +52,12 @@ def offline_v1_outputs(
     python: Path,
     engine_fields: Mapping[str, Any],
     requests: Sequence[tuple[str, Sequence[int] | str, Mapping[str, Any]] | tuple[str, Any, Any, Any]],
+    separately: bool = False,
 ) -> dict[str, tuple[list[int], str]]:
     """Request id → (token ids, text) V1's offline LLM gives; a prompt is token ids or text (which
-    V1 tokenizes as it does any text prompt); a fourth item is a LoRA adapter as (name, id, path)."""
+    V1 tokenizes as it does any text prompt); a fourth item is a LoRA adapter as (name, id, path).
+    `separately`: each request in a batch of its own (vLLM 0.32's CPU LoRA gives a base request
+    batched with adapter requests an adapter's delta: engine_v1/cpu_lora.py)."""
     plain = [
         [
             rid,
@@ -62,7 +69,7 @@ def offline_v1_outputs(
     ]
     done = subprocess.run(
         [str(python), "-c", _SCRIPT],
-        input=json.dumps([dict(engine_fields), plain]),
+        input=json.dumps([dict(engine_fields), plain, separately]),
         capture_output=True,
         text=True,
         timeout=900,
