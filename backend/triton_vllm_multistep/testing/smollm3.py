@@ -9,11 +9,11 @@ of servers or of what is asserted.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 from triton_vllm_multistep.demo import cache
 from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.testing.v1_reference import run_v1_script
 
 NAME = "tiny-smollm3-random"
 
@@ -43,14 +43,6 @@ def build(v1_python: Path | str) -> Path:
     source = demo_models.build("tiny-llama-bpe")
 
     def write(staging: Path) -> None:
-        done = subprocess.run(
-            [str(v1_python), "-c", _SCRIPT, str(source), str(staging)],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"building {NAME} in the V1 environment failed:\n{done.stderr[-3000:]}")
+        run_v1_script(v1_python, _SCRIPT, (str(source), str(staging)), None, f"building {NAME} in the V1 environment")
 
     return cache.publish(target, write)

@@ -67,16 +67,18 @@ def offline_v1_outputs(
         ]
         for rid, prompt, sampling, *adapter in requests
     ]
+    stdout = run_v1_script(python, _SCRIPT, (), json.dumps([dict(engine_fields), plain, separately]), "offline V1 LLM")
+    # vLLM logs to stdout too: the answer is the marked line.
+    (line,) = [line for line in stdout.splitlines() if line.startswith("V1-REFERENCE ")]
+    return {rid: (ids, text) for rid, (ids, text) in json.loads(line.removeprefix("V1-REFERENCE ")).items()}
+
+
+def run_v1_script(python: Path | str, script: str, arguments: Sequence[str], stdin: str | None, what: str) -> str:
+    """`python -c script arguments` under the V1 environment's Python; its stdout, or RuntimeError
+    naming `what` with its stderr's end."""
     done = subprocess.run(
-        [str(python), "-c", _SCRIPT],
-        input=json.dumps([dict(engine_fields), plain, separately]),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
+        [str(python), "-c", script, *arguments], input=stdin, capture_output=True, text=True, timeout=900, check=False
     )
     if done.returncode != 0:
-        raise RuntimeError(f"offline V1 LLM failed:\n{done.stderr[-3000:]}")
-    # vLLM logs to stdout too: the answer is the marked line.
-    (line,) = [line for line in done.stdout.splitlines() if line.startswith("V1-REFERENCE ")]
-    return {rid: (ids, text) for rid, (ids, text) in json.loads(line.removeprefix("V1-REFERENCE ")).items()}
+        raise RuntimeError(f"{what} failed:\n{done.stderr[-3000:]}")
+    return done.stdout
