@@ -321,5 +321,4 @@ def test_multi_lora_on_v1_serves_each_adapter_as_v1s_offline_llm_with_it(v1_serv
 
 def v1_server_repository_model(server: ServerProcess) -> Path:
     """The LoRA model's folder in the server's repository (the adapters' paths as the stub sends them)."""
-    (folder,) = Path(server.log_path).parent.glob(f"repository/{V1_LORA}")
-    return folder
+    return server.log_path.parent / "repository" / V1_LORA

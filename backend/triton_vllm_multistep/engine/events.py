@@ -52,6 +52,12 @@ def prompt_limit(max_model_len: int, max_prompt_tokens: int) -> int:
     return min(max_model_len, max_prompt_tokens) if max_prompt_tokens else max_model_len
 
 
+def token_ids_of(tokenizer: Any, model_vocab_size: int) -> int:
+    """How many token ids a request may name (input_ids, logit_bias): the model's and the tokenizer's
+    both, whichever side has the tokenizer (the stub's, or a V1 engine process's)."""
+    return min(model_vocab_size, getattr(tokenizer, "max_token_id", len(tokenizer) - 1) + 1)
+
+
 def prompt_too_long_message(tokens: int, limit: int) -> str:
     """A prompt over the model's limit (max_model_len, or config.pbtxt max_prompt_tokens if lower),
     in the same words whichever side tokenized it (the stub, or a V1 engine process)."""

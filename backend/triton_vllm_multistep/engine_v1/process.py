@@ -32,6 +32,7 @@ from triton_vllm_multistep.engine.events import (
     StepOutputs,
     prompt_limit,
     prompt_too_long_message,
+    token_ids_of,
 )
 from triton_vllm_multistep.engine.messages import Abort, Built, EngineSpec, Serve, Stop, Stopped, build_failure, sender
 from triton_vllm_multistep.engine.outputs import plain_outputs
@@ -71,13 +72,10 @@ def build_engine(spec: EngineSpec) -> tuple[Any, stats.SchedulerStatsLogger]:
 def engine_facts(engine: Any) -> EngineFacts:
     model_config = engine.vllm_config.model_config
     lora_config = engine.vllm_config.lora_config
-    tokenizer = engine.get_tokenizer()
-    # Token ids a request may name: the model's and the tokenizer's both (the stub checks input_ids
-    # and logit_bias against it; it has no tokenizer of a V1 model).
-    tokenizer_vocab = getattr(tokenizer, "max_token_id", len(tokenizer) - 1) + 1
     return EngineFacts(
         model=str(model_config.model),
-        vocab_size=min(model_config.get_vocab_size(), tokenizer_vocab),
+        # The stub checks input_ids and logit_bias against it; it has no tokenizer of a V1 model.
+        vocab_size=token_ids_of(engine.get_tokenizer(), model_config.get_vocab_size()),
         max_model_len=model_config.max_model_len,
         multimodal=bool(model_config.is_multimodal_model),
         num_scheduler_steps=1,

@@ -19,7 +19,7 @@ from typing import Any
 from triton_vllm_multistep.demo.smollm2 import DemoModelError
 from triton_vllm_multistep.engine import cpu_placement, extensions
 from triton_vllm_multistep.engine.engine_args import engine_values, to_engine_args
-from triton_vllm_multistep.engine.events import EngineRunner
+from triton_vllm_multistep.engine.events import EngineRunner, token_ids_of
 from triton_vllm_multistep.engine.process import EngineProcess, EngineProcessError, EngineSpec, NoPythonForEngineProcess
 from triton_vllm_multistep.interface import INPUT_NAMES, INPUTS, OUTPUT_NAMES, OUTPUTS, UNHEALTHY_ENGINE_MESSAGE
 from triton_vllm_multistep.lifecycle import drain, protocol, triton_command
@@ -233,7 +233,6 @@ class ModelServer:
             "step",
             cpus=settings.engine_cpus,
             use_ipex=False,
-            lora_adapters=tuple(adapter.engine_value() for adapter in self.adapters or ()),
             max_prompt_tokens=settings.limits.max_prompt_tokens,
         )
         from triton_vllm_multistep.engine.events import EngineBuildError
@@ -265,9 +264,7 @@ class ModelServer:
         the vocabulary of model and tokenizer both) and the model's request limits."""
         facts = self.loop.facts
         self._tokenizer = None if engine_args is None else self._load_tokenizer(engine_args)
-        vocab_size = facts.vocab_size
-        if self._tokenizer is not None:
-            vocab_size = min(vocab_size, getattr(self._tokenizer, "max_token_id", len(self._tokenizer) - 1) + 1)
+        vocab_size = facts.vocab_size if self._tokenizer is None else token_ids_of(self._tokenizer, facts.vocab_size)
         self.limits = codec.ModelLimits(
             vocab_size=vocab_size,
             max_model_len=facts.max_model_len,

@@ -451,10 +451,10 @@ class Responder:
         ready: list[tuple[EngineOutput, RequestState, Any, bool]] = []
         for request_id, output, state in due:
             finished = output.finished
-            engine_counts = state.request.images or not state.request.prompt_token_ids
-            if state.first and engine_counts and output.prompt_tokens is not None:
-                # The prompt as vLLM counts it: each image placeholder expanded to the image's tokens,
-                # or a text prompt the engine tokenized (a V1 model's).
+            # The prompt as vLLM counts it: each image placeholder expanded to the image's tokens, or a
+            # text prompt the engine tokenized (a V1 model's).
+            engine_counts = state.first and (state.request.images or not state.request.prompt_token_ids)
+            if engine_counts and output.prompt_tokens is not None:
                 state.request.engine_prompt_tokens = output.prompt_tokens
                 if state.timing is not None:
                     state.timing.prompt_tokens = state.request.engine_prompt_tokens

@@ -44,16 +44,15 @@ def health_thread(pid: int) -> int | None:
     return next((tid for tid in procfs.threads(pid) if tid != pid and "nanosleep" in procfs.wchan(pid, tid)), None)
 
 
-def keep_running(tid: int) -> bool:
+def keep_running(tid: int) -> None:
     """Real-time round-robin (lowest priority) for the stub's health thread, where allowed: the thread
     sleeps 300 ms, takes a mutex and sets a byte (no GIL), so at that priority a host busy with other
     work no longer keeps it from ticking, and Triton's one-second rule sees the stub alive whether or
-    not the guard is run in time to vouch. Its CPU time is negligible. False where not allowed."""
+    not the guard is run in time to vouch. Its CPU time is negligible. Where not allowed, left as is."""
     try:
         os.sched_setscheduler(tid, os.SCHED_RR, os.sched_param(1))
     except (OSError, AttributeError):
-        return False
-    return True
+        pass
 
 
 def run_promptly(log: TextIO) -> None:
