@@ -113,9 +113,15 @@ SCALAR_FIELDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "min_length": ("min_tokens", int),
 }
 
-# --- words clients match on (Triton's vLLM backend's, kept as the leading phrase) -----------------
-# A request refused by a failed engine (the OpenAI front end answers it with HTTP 503).
+# --- words clients match on: Triton's vLLM backend's, sent whole (their CI compares them whole) ---
+# A request refused by a failed engine (the OpenAI front end answers it with HTTP 503); the engine's
+# error goes to the server log.
 UNHEALTHY_ENGINE_MESSAGE = "Model is unavailable due to unhealthy vLLM engine"
+# Streaming with the prompt in the output: vLLM's words after their model.py's prefix; what to do
+# instead goes to the server log.
+STREAM_WITH_PROMPT_MESSAGE = (
+    "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
+)
 # A `lora_name` sent to a model without LoRA (their src/model.py `_verify_loras`).
 LORA_OFF_MESSAGE = "LoRA feature is not enabled."
 

@@ -189,7 +189,7 @@ def streams_for(
 ) -> TritonStreams | OpenAIStreams:
     """The client of one server: `kind` is "backend" (ours) or one of peers.PEER_KINDS; `outputs`: the
     Triton outputs it asks for (None: all)."""
-    if kind == peers.VLLM_SERVE:
+    if kind in (peers.VLLM_SERVE, peers.VLLM_SERVE_V1):
         return OpenAIStreams(server.http_url, max_tokens)
     if kind == BACKEND_OPENAI:  # ours, through its OpenAI-compatible API: the same client as vllm serve's
         return OpenAIStreams(server.openai_url, max_tokens)

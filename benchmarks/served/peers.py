@@ -14,24 +14,20 @@ nothing else.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks.served.settings import KV_CACHE_GIB, MODEL, engine_json
-from triton_vllm_multistep.testing import local_server
+from triton_vllm_multistep.testing import local_server, vllm_serve
 from triton_vllm_multistep.testing.local_server import ServerProcess
+from triton_vllm_multistep.testing.vllm_serve import VllmServe
 
 TRITON_VLLM_BACKEND = "triton_vllm_backend"
 VLLM_SERVE = "vllm_serve"
-PEER_KINDS = (TRITON_VLLM_BACKEND, VLLM_SERVE)
+VLLM_SERVE_V1 = "vllm_serve_v1"  # vLLM's current engine (the V1 environment's vLLM), beside our V1 models
+PEER_KINDS = (TRITON_VLLM_BACKEND, VLLM_SERVE, VLLM_SERVE_V1)
 
 # backends/vllm/model.py of the peer's backend directory: the upstream model.py, unchanged, with the
 # one Python-backend function it needs that Triton 2.51 lacks.
@@ -101,83 +97,22 @@ def start_triton_vllm_backend(workdir: Path, model: str, upstream: Path, log_pat
     )
 
 
-def vllm_serve_arguments(values: dict[str, Any]) -> list[str]:
-    """`vllm serve` flags for engine arguments: --name-with-dashes VALUE, booleans as bare flags."""
-    arguments: list[str] = []
-    for name, value in values.items():
-        if name == "model":
-            continue
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            arguments.append(flag)
-        elif value is not False and value is not None:
-            arguments += [flag, str(value)]
-    return arguments
+def start_vllm_serve(model: str, log_path: Path) -> tuple[VllmServe, float]:
+    """vLLM's OpenAI API server (this environment's vLLM) on a free port, serving `MODEL`; returns it
+    and its seconds to ready."""
+    values = {**peer_engine_values(model), "disable_log_requests": True}
+    environment = {"VLLM_USE_V1": "0", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}
+    return vllm_serve.start_vllm_serve(sys.executable, values, MODEL, log_path, environment)
 
 
-@dataclass
-class OpenAIServer:
-    """`vllm serve` (vLLM's OpenAI API server) in a session of its own: the parts of ServerProcess the
-    benchmark uses."""
+def start_vllm_serve_v1(model: str, log_path: Path, engine_fields: dict[str, Any]) -> tuple[VllmServe, float]:
+    """vLLM's OpenAI API server of the V1 environment (vLLM 0.32) on a free port, serving `MODEL` with
+    the engine arguments our V1 model runs (no num_scheduler_steps; `engine_fields` on top)."""
+    from triton_vllm_multistep.engine.process import v1_environment_python
 
-    process: subprocess.Popen
-    http_port: int
-    log_path: Path
-    transport: str = "openai"
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    def is_ready(self) -> bool:
-        import requests
-
-        try:
-            return requests.get(f"{self.http_url}/v1/models", timeout=2).status_code == 200
-        except requests.RequestException:
-            return False
-
-    def process_groups(self) -> dict[str, list[Any]]:
-        """The API server (under "tritonserver", the frontend's column) and its engine process(es)."""
-        import psutil
-
-        try:
-            frontend = psutil.Process(self.process.pid)
-            children = frontend.children(recursive=True)
-        except psutil.NoSuchProcess:
-            return {"tritonserver": [], "stub": [], "engine": []}
-        return {"tritonserver": [frontend], "stub": [], "engine": children}
-
-    def stop(self, timeout: float = 60.0) -> int:
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGINT)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
-        return self.process.returncode
-
-
-def start_vllm_serve(model: str, log_path: Path, timeout: float = 300.0) -> tuple[OpenAIServer, float]:
-    """vLLM's OpenAI API server on a free port, serving `MODEL`; returns it and its seconds to ready."""
-    values = peer_engine_values(model)
-    (port,) = local_server.free_ports(1)
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(values["model"])]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL, "--disable-log-requests"]
-    command += vllm_serve_arguments(values)
-    env = dict(os.environ, VLLM_USE_V1="0", VLLM_CPU_KVCACHE_SPACE=KV_CACHE_GIB)
-    started = time.monotonic()
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = OpenAIServer(process, port, log_path)
-    while time.monotonic() - started < timeout:
-        if process.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {process.returncode}: see {log_path}")
-        if server.is_ready():
-            return server, time.monotonic() - started
-        time.sleep(0.1)
-    server.stop()
-    raise TimeoutError(f"vllm serve not ready within {timeout} s: see {log_path}")
+    python = v1_environment_python()
+    if python is None:
+        raise SystemExit("vllm_serve_v1 needs the V1 environment (.venv-v1): run scripts/setup.sh")
+    values = {**peer_engine_values(model), **engine_fields}
+    environment = {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}
+    return vllm_serve.start_vllm_serve(python, values, MODEL, log_path, environment)

@@ -123,6 +123,7 @@ def annotate(results: dict[str, Any]) -> None:
             check(f"c=1: ITL p50 steps 8 merge / per step{where}", merge_itl, TARGETS["itl_merge_vs_step_at_1"], False)
     peer_checks(served, results.get("model") == DEFAULT_MODEL_REFERENCE, check)
     openai_checks(served, check)
+    v1_checks(served, check)
     for config in results["served"]:
         check(f"start to READY (s), {config['label']}", config["ready_seconds"], TARGETS["ready_seconds"], False)
         check(
@@ -152,6 +153,26 @@ def openai_checks(served: dict[str, dict[int, dict[str, Any]]], check: Any) -> N
             check(label, value, TARGETS[target], True)
 
 
+# Our V1 models (vllm_engine v1) over `vllm serve` of the same V1 engine (KServe gRPC; the OpenAI API
+# does not serve V1 models yet).
+V1_OVER_VLLM_SERVE_V1 = ("v1_step_process",)
+
+
+def v1_checks(served: dict[str, dict[int, dict[str, Any]]], check: Any) -> None:
+    """A V1 model through this backend over vLLM's own OpenAI server of the same engine (vllm_serve_v1),
+    at every level measured in the same run (issue #32: at least 1.0x); the multi-step per-step
+    configurations over it as information."""
+    theirs = served.get("vllm_serve_v1", {})
+    for name in [*V1_OVER_VLLM_SERVE_V1, "v1_step_process_async", *PER_STEP, "steps1"]:
+        for level in sorted(set(served.get(name, {})) & set(theirs)):
+            value = served[name][level]["tokens_per_s"] / theirs[level]["tokens_per_s"]
+            label = f"c={level}: {CONFIGS[name].label} / {CONFIGS['vllm_serve_v1'].label}"
+            if name in V1_OVER_VLLM_SERVE_V1:
+                check(label, value, TARGETS["v1_vs_vllm_serve_v1"], True)
+            else:
+                check("(info) " + label, value, 1.0, True)
+
+
 def peer_checks(
     served: dict[str, dict[int, dict[str, Any]]],
     demo_model: bool,
@@ -167,6 +188,8 @@ def peer_checks(
             if shipped is not None and level in served[shipped]:
                 if CONFIGS[peer].server == peers.VLLM_SERVE:
                     limit = TARGETS["steps8_step_vs_vllm_serve"]
+                elif CONFIGS[peer].server == peers.VLLM_SERVE_V1:
+                    limit = None  # another engine: information (the V1 targets are v1_checks')
                 elif demo_model:
                     limit = TARGETS["steps8_step_vs_triton_vllm_backend"] if level >= from_level else None
                 elif level == TARGET_CONCURRENCY:

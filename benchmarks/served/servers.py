@@ -18,6 +18,7 @@ from benchmarks.served.offline import OfflineEngines
 from benchmarks.served.settings import CONFIGS, KV_CACHE_GIB, MODEL, SOURCE_MODEL
 from triton_vllm_multistep.testing import local_server
 from triton_vllm_multistep.testing.local_server import ServerProcess
+from triton_vllm_multistep.testing.vllm_serve import VllmServe
 
 
 def make_repository(
@@ -29,6 +30,8 @@ def make_repository(
     parameters: dict[str, str] | None = None,
 ) -> Path:
     engine = {"num_scheduler_steps": steps, "model": model, **(engine_fields or {})}
+    if (parameters or {}).get("vllm_engine") == "v1":
+        engine["num_scheduler_steps"] = None  # a multi-step setting: a V1 model's load error
     parameters = {"stream_mode": stream_mode, **(parameters or {})}
     local_server.copy_model(SOURCE_MODEL, target / MODEL, engine, parameters)
     return target
@@ -69,12 +72,14 @@ def memory_of(server: Any) -> dict[str, float]:
 
 def start_configuration(
     name: str, workdir: Path, model: str, triton_vllm_backend: Path | None
-) -> tuple[ServerProcess | peers.OpenAIServer, float]:
+) -> tuple[ServerProcess | VllmServe, float]:
     """The server of one configuration (ours or a peer's); returns it and its seconds to READY."""
     config = CONFIGS[name]
     log = workdir / f"{name}.log"
     if config.server == peers.VLLM_SERVE:
         return peers.start_vllm_serve(model, log)
+    if config.server == peers.VLLM_SERVE_V1:
+        return peers.start_vllm_serve_v1(model, log, config.engine)
     if config.server == peers.TRITON_VLLM_BACKEND:
         if triton_vllm_backend is None:
             raise SystemExit(f"configuration {name} needs --triton-vllm-backend (the vllm_backend repository's src/)")

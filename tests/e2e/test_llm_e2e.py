@@ -133,7 +133,7 @@ BAD_INPUTS = [
     ({"sampling": {"max_tokens": 3}}, "exactly one of 'text_input' or 'input_ids' is required"),
     (
         {"prompt": "hi", "stream": True, "exclude_input_in_output": False},
-        "When streaming, `exclude_input_in_output` = False is not allowed.",
+        "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed.",
     ),
 ]
 

@@ -84,7 +84,7 @@ def lora_server(
     extra = {
         "wide": lora.write_adapter(model_dir, root / "wide", seed=13, rank=32, alpha=32),
         "odd": _adapter_with_module(model_dir, root / "odd", "input_layernorm"),
-        "biased": _adapter_with_bias(model_dir, root / "biased"),
+        "biased": lora.write_biased_adapter(model_dir, root / "biased", seed=15),
     }
     for name, (entries_or_why, _) in BAD_MODELS.items():
         bad_entries = None if isinstance(entries_or_why, str) else entries_or_why
@@ -112,13 +112,6 @@ def _adapter_with_module(model_dir: Path, out: Path, module: str) -> Path:
     tensors = load_file(str(out / "adapter_model.safetensors"))
     renamed = {k.replace("self_attn.q_proj", module) if ".layers.0." in k else k: v for k, v in tensors.items()}
     save_file(renamed, str(out / "adapter_model.safetensors"))
-    return out
-
-
-def _adapter_with_bias(model_dir: Path, out: Path) -> Path:
-    lora.write_adapter(model_dir, out, seed=15)
-    config = json.loads((out / "adapter_config.json").read_text())
-    (out / "adapter_config.json").write_text(json.dumps({**config, "bias": "all"}))
     return out
 
 

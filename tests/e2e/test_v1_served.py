@@ -1,11 +1,13 @@
 """A `vllm_engine: v1` model through the real server: vLLM's current engine (.venv-v1) behind the
-same tensors, streaming one response per decoded step with exactly the tokens of the V1 engine's
-own offline LLM (greedy and seeded), streamed = whole; text prompts tokenized and each step's text
-made in the V1 environment, shown with a model this environment's transformers cannot load (a tiny
-random SmolLM3); structured output as V1's own; the KV-cache gauges under both engines' names; the
-README's V1 block (SmolLM2 on V1, made by its commands, answering its client command); what V1
-removed is refused for that request alone; multi-step settings on a V1 model fail its load naming
-both.
+same tensors, streaming one response per decoded step with exactly the tokens of `vllm serve` of
+the V1 environment (vLLM 0.32's own OpenAI server, same model and settings; greedy and seeded),
+streamed = whole; text prompts tokenized and each step's text made in the V1 environment, shown
+with a model this environment's transformers cannot load (a tiny random SmolLM3); structured output
+and multi-LoRA as V1's own; prefix caching; the KV-cache gauges under both engines' names; the
+README's V1 block (SmolLM2 on V1, made by its commands, answering its client command as `vllm
+serve` does); what V1 removed is refused for that request alone; multi-step settings, an adapter
+vLLM refuses and an image model on CPU fail a V1 model's load saying so; a dead V1 engine core
+fails its model alone, and the probe says so.
 
 Owns the served V1 checks on a server of its own (the tiny demo model, the SmolLM3 and the
 README's SmolLM2 on V1; the engine-process seam is tests/engine/test_v1_engine_process.py's).
@@ -38,13 +40,16 @@ from private_servers import (
 )
 from served_models import TINY_ENGINE
 from triton_clients import grpc_generate
+from tritonclient.utils import InferenceServerException
 
 from triton_vllm_multistep.checks import adapters
+from triton_vllm_multistep.checks.v1_reference import offline_v1_outputs
 from triton_vllm_multistep.demo import models as demo_models
-from triton_vllm_multistep.host.launcher import v1_environment_python
-from triton_vllm_multistep.testing import smollm3
+from triton_vllm_multistep.engine.process import v1_environment_python
+from triton_vllm_multistep.host import probe
+from triton_vllm_multistep.lifecycle import procfs, triton_command
+from triton_vllm_multistep.testing import smollm3, vllm_serve
 from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model
-from triton_vllm_multistep.testing.v1_reference import offline_v1_outputs
 
 V1 = "llm_v1"
 V1_WITH_STEPS = "llm_v1_with_steps"
@@ -65,9 +70,12 @@ STRUCTURED_PROMPT, STRUCTURED_SAMPLING = "Answer:", {"temperature": 0.0, "max_to
 
 
 V1_LORA = "llm_v1_lora"
+V1_BIASED_LORA = "llm_v1_biased_lora"  # multi_lora.json names an adapter with a bias
+V1_IMAGES = "llm_v1_images"  # the tiny LLaVA demo model on V1
 V1_LORA_ENGINE = {**V1_ENGINE, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
 LORA_NAMES = ("doll", "sheep")  # multi_lora.json's order: lora_int_id 1, 2
 SHIPPED_MODEL = REPO_ROOT / "model_repository" / "vllm_model"
+V1_ENGINE_PROCESS_MODULE = "triton_vllm_multistep.engine_v1.process"
 
 
 def lora_adapters(root: Path) -> dict[str, Path]:
@@ -95,7 +103,8 @@ def v1_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) 
     repository = make_repository(
         root,
         {
-            V1: {"engine": V1_ENGINE, "parameters": {"vllm_engine": "v1"}},
+            # Async scheduling forced on (vLLM turns it off on CPU): every llm_v1 check holds with it.
+            V1: {"engine": {**V1_ENGINE, "async_scheduling": True}, "parameters": {"vllm_engine": "v1"}},
             V1_WITH_STEPS: {"engine": {"enforce_eager": True}, "parameters": {"vllm_engine": "v1"}},
             SMOLLM3: {
                 "engine": smollm3_engine,
@@ -111,6 +120,14 @@ def v1_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) 
         shutil.copytree(folder, repository / V1_LORA / "1" / "adapters" / name)
     entries = {name: f"adapters/{name}" for name in LORA_NAMES}
     (repository / V1_LORA / "1" / "multi_lora.json").write_text(json.dumps(entries))
+    # Loaded by their tests, each failing: an adapter only vLLM's own load refuses; an image model on CPU.
+    copy_model(SHIPPED_MODEL, repository / V1_BIASED_LORA, {**TINY_ENGINE, **V1_LORA_ENGINE}, {"vllm_engine": "v1"})
+    adapters.write_biased_adapter(
+        demo_models.build("tiny-llama-bpe"), repository / V1_BIASED_LORA / "1" / "adapters" / "biased", seed=15
+    )
+    (repository / V1_BIASED_LORA / "1" / "multi_lora.json").write_text(json.dumps({"biased": "adapters/biased"}))
+    copy_model(SHIPPED_MODEL, repository / V1_IMAGES, {**TINY_ENGINE, **V1_ENGINE, "model": "demo://tiny-llava"},
+               {"vllm_engine": "v1"})  # fmt: skip
     loaded = (V1, SMOLLM3, README_MODEL, V1_LORA)
     args = ("--model-control-mode=explicit", *(f"--load-model={m}" for m in loaded))
     with serving(repository, root / "tritonserver.log", *args) as server:
@@ -124,29 +141,47 @@ def served_fields(model: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def offline(demo_model_paths: dict) -> dict[str, tuple[list[int], str]]:
-    """The tiny model's references, in one offline V1 LLM: the id prompts' and the structured ones'."""
-    requests: list = [(f"{kind}-{i}", ids, sampling) for kind, sampling in (("greedy", GREEDY), ("seeded", SEEDED))
-                      for i, ids in enumerate(PROMPTS)]  # fmt: skip
-    requests += [
-        (kind, STRUCTURED_PROMPT, {**STRUCTURED_SAMPLING, "structured_outputs": constraint})
-        for kind, (constraint, _) in STRUCTURED.items()
-    ]
-    return offline_v1_outputs(v1_python(), served_fields(str(demo_models.build("tiny-llama-bpe"))), requests)
+def reference(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> dict[str, tuple[list[int], str]]:
+    """The tiny model's answers from `vllm serve` of the V1 environment (vLLM 0.32's own OpenAI
+    server, the same engine arguments): the id prompts' (greedy, seeded; whole, and streamed, which
+    must agree) and the structured ones' (V1's `structured_outputs`)."""
+    log = tmp_path_factory.mktemp("vllm_serve_v1") / "vllm_serve.log"
+    fields = served_fields(str(demo_models.build("tiny-llama-bpe")))
+    answers: dict[str, tuple[list[int], str]] = {}
+    with vllm_serve.serving(v1_python(), fields, V1, log, {"VLLM_CPU_KVCACHE_SPACE": "1"}) as server:
+        for kind, sampling in (("greedy", GREEDY), ("seeded", SEEDED)):
+            for i, ids in enumerate(PROMPTS):
+                whole_ids, whole_text, _ = server.completion(ids, sampling, stream=False)
+                streamed_ids, streamed_text, chunks = server.completion(ids, sampling, stream=True)
+                assert (streamed_ids, streamed_text) == (whole_ids, whole_text) and chunks == TOKENS
+                answers[f"{kind}-{i}"] = (whole_ids, whole_text)
+        for kind, (constraint, _) in STRUCTURED.items():
+            structured = {**STRUCTURED_SAMPLING, "structured_outputs": constraint}
+            ids, text, _ = server.completion(STRUCTURED_PROMPT, structured, stream=False)
+            answers[kind] = (ids, text)
+    return answers
 
 
 @pytest.mark.parametrize(("kind", "sampling"), [("greedy", GREEDY), ("seeded", SEEDED)])
-def test_v1_streams_one_response_per_step_with_its_offline_tokens_and_whole_equals_streamed(
-    v1_server: ServerProcess, offline: dict[str, tuple[list[int], str]], kind: str, sampling: dict
+def test_v1_streams_one_response_per_step_with_vllm_serves_tokens_and_whole_equals_streamed(
+    v1_server: ServerProcess, reference: dict[str, tuple[list[int], str]], kind: str, sampling: dict
 ) -> None:
     for i, ids in enumerate(PROMPTS):
+        served_ids, served_text = reference[f"{kind}-{i}"]
         streamed = grpc_generate(v1_server.grpc_url, V1, input_ids=list(ids), sampling=sampling, stream=True)
         assert streamed.error is None and streamed.finals == 1, streamed.error
-        assert streamed.token_ids() == offline[f"{kind}-{i}"][0]
+        assert streamed.token_ids() == served_ids and streamed.text() == served_text
         assert [len(r["output_ids"]) for r in streamed.data_responses] == [1] * TOKENS  # one per step
         whole = grpc_generate(v1_server.grpc_url, V1, input_ids=list(ids), sampling=sampling, stream=False)
         assert whole.error is None and whole.token_ids() == streamed.token_ids()
         assert whole.text() == streamed.text()
+
+
+def test_async_scheduling_asked_in_model_json_is_kept_on_cpu_and_not_imposed(v1_server: ServerProcess) -> None:
+    """llm_v1 asks for it (and equals `vllm serve` without it, above); the other V1 models do not."""
+    log = v1_server.log_path.read_text(errors="replace")
+    assert re.search(rf"model {V1} \(.*?\) ready: num_scheduler_steps=1 \(async scheduling\), streaming", log)
+    assert re.search(rf"model {SMOLLM3} \(.*?\) ready: num_scheduler_steps=1, streaming", log)
 
 
 def test_a_field_v1_removed_fails_that_request_alone_naming_it(v1_server: ServerProcess) -> None:
@@ -239,10 +274,11 @@ def test_a_v1_model_publishes_the_kv_cache_use_under_both_engines_names(v1_serve
     assert metric(scrape(v1_server), "vllm:gpu_cache_usage_perc", V1) == 0
 
 
-def test_the_readmes_v1_model_answers_its_client_command_as_v1s_offline_llm(v1_server: ServerProcess) -> None:
+def test_the_readmes_v1_model_answers_its_client_command_as_vllm_serve_does(v1_server: ServerProcess) -> None:
     """The README's V1 block: the shipped SmolLM2 model with `vllm_engine: v1` and no
     num_scheduler_steps (made by the README's own commands) answers the README's client command with
-    the text V1's offline LLM gives for that prompt and the client's sampling."""
+    the text `vllm serve` of the V1 environment (same model, same settings) gives for that prompt
+    and the client's sampling."""
     engine = json.loads((REPO_ROOT / "model_repository" / README_MODEL / "1" / "model.json").read_text())
     assert "num_scheduler_steps" in engine  # the README's sed removes it from the copy
     prompt = "The capital of France is"
@@ -251,9 +287,9 @@ def test_the_readmes_v1_model_answers_its_client_command_as_v1s_offline_llm(v1_s
         "model": str(demo_models.build(engine["model"].removeprefix("demo://"))),
         "dtype": "float32",  # configs/cpu.pbtxt's engine_args
     }
-    ((_, answer),) = offline_v1_outputs(
-        v1_python(), fields, [("readme", prompt, {"max_tokens": 32, "temperature": 0.0})]
-    ).values()
+    log = v1_server.log_path.parent / "vllm_serve_smollm2.log"
+    with vllm_serve.serving(v1_python(), fields, README_MODEL, log, {"VLLM_CPU_KVCACHE_SPACE": "1"}) as server:
+        _, answer, _ = server.completion(prompt, {"max_tokens": 32, "temperature": 0.0}, stream=False)
     done = subprocess.run(
         [sys.executable, "client_examples/grpc_stream.py", prompt, "--url", v1_server.grpc_url],
         capture_output=True,
@@ -269,12 +305,12 @@ def test_the_readmes_v1_model_answers_its_client_command_as_v1s_offline_llm(v1_s
 
 @pytest.mark.parametrize("kind", sorted(STRUCTURED))
 def test_structured_output_on_v1_is_v1s_own_exactly_streamed_and_whole(
-    v1_server: ServerProcess, offline: dict[str, tuple[list[int], str]], kind: str
+    v1_server: ServerProcess, reference: dict[str, tuple[list[int], str]], kind: str
 ) -> None:
     """A request's `guided_decoding` (Triton's vLLM backend's name) is V1's `structured_outputs`: the
-    constrained answer equals V1's offline LLM with structured_outputs, streamed = whole."""
+    constrained answer equals `vllm serve`'s with structured_outputs, streamed = whole."""
     constraint, valid = STRUCTURED[kind]
-    ids, answer = offline[kind]
+    ids, answer = reference[kind]
     served = {**STRUCTURED_SAMPLING, "guided_decoding": constraint}
     streamed = grpc_generate(v1_server.grpc_url, V1, prompt=STRUCTURED_PROMPT, sampling=served, stream=True)
     assert streamed.error is None, streamed.error
@@ -322,3 +358,106 @@ def test_multi_lora_on_v1_serves_each_adapter_as_v1s_offline_llm_with_it(v1_serv
 def v1_server_repository_model(server: ServerProcess) -> Path:
     """The LoRA model's folder in the server's repository (the adapters' paths as the stub sends them)."""
     return server.log_path.parent / "repository" / V1_LORA
+
+
+def test_an_adapter_only_vllm_refuses_fails_the_v1_load_naming_it_and_the_server_serves_on(
+    v1_server: ServerProcess,
+) -> None:
+    """multi_lora.json's adapters are loaded once by V1's engine core at the model's start, as on the
+    multi-step engine: one vLLM refuses (a bias) fails the load naming it, not its first request."""
+    with (
+        grpcclient.InferenceServerClient(v1_server.grpc_url) as client,
+        pytest.raises(InferenceServerException) as raised,
+    ):
+        client.load_model(V1_BIASED_LORA)
+    assert "LoRA adapter 'biased'" in str(raised.value) and "Adapter bias is not supported" in str(raised.value)
+    assert not model_ready(v1_server, V1_BIASED_LORA)
+    served = grpc_generate(v1_server.grpc_url, V1_LORA, input_ids=[1, 5, 9], sampling={**GREEDY, "lora_name": "doll"})
+    assert served.error is None and len(served.token_ids()) == TOKENS
+
+
+def test_an_image_model_on_v1_on_a_cpu_host_fails_its_load_saying_so(v1_server: ServerProcess) -> None:
+    with (
+        grpcclient.InferenceServerClient(v1_server.grpc_url) as client,
+        pytest.raises(InferenceServerException) as raised,
+    ):
+        client.load_model(V1_IMAGES)
+    message = str(raised.value)
+    assert "LlavaForConditionalGeneration is a multimodal model: on vllm_engine 'v1'" in message, message
+    assert "GPU hosts only" in message and "vllm_engine 'multistep'" in message
+    assert model_ready(v1_server, V1) and not model_ready(v1_server, V1_IMAGES)
+
+
+def test_prefix_caching_on_v1_reuses_a_shared_prompt_and_gives_the_same_tokens(v1_server: ServerProcess) -> None:
+    """V1 caches prefixes by default: the same prompt again (its blocks now cached) streams the tokens
+    it streamed cold, greedy and seeded, and the hit-rate gauge shows the reuse. The system prompt
+    fills more than one KV block (128 tokens on V1's CPU backend): only full blocks are cached."""
+    system = "system: you are terse; answer in plain words, count like 1 2 3 when asked. " * 8 + "user: "
+    for question in ("hello world", "the quick brown fox"):
+        for sampling in (GREEDY, SEEDED):
+            runs = [
+                grpc_generate(v1_server.grpc_url, V1, prompt=system + question, sampling=sampling, stream=True)
+                for _ in range(2)
+            ]
+            assert all(run.error is None for run in runs), [run.error for run in runs]
+            assert runs[0].token_ids() == runs[1].token_ids() and len(runs[0].token_ids()) == TOKENS
+    hit_rate = "vllm:gpu_prefix_cache_hit_rate"
+    assert wait_for(lambda: (metric(scrape(v1_server), hit_rate, V1) or 0) > 0, 30), metric(
+        scrape(v1_server), hit_rate, V1
+    )
+
+
+def test_a_v1_engine_core_that_dies_fails_its_requests_and_its_model_alone_and_the_probe_says_so(
+    v1_server: ServerProcess,
+) -> None:
+    """vLLM V1's engine core (the process V1's LLMEngine drives) killed mid-stream: that stream ends with
+    the engine's failure, the model reports an unhealthy engine and unloads itself (explicit mode),
+    its engine process ends, the probe names it, and the other models serve on. Last in this module:
+    it takes llm_v1 down."""
+    server_pid = tritonserver_pid(v1_server)
+    assert probe.problems(probe.gather(server_pid, None, [V1, SMOLLM3])) == []
+    (engine,) = v1_engine_processes(v1_server, V1)
+    cores = [child for child in engine.children() if "resource_tracker" not in " ".join(child.cmdline())]
+    assert len(cores) == 1, [child.cmdline() for child in engine.children()]
+    first_response = threading.Event()
+    in_flight: list[Any] = []
+    long = {**GREEDY, "max_tokens": 600}
+
+    def stream() -> None:
+        in_flight.append(
+            grpc_generate(
+                v1_server.grpc_url,
+                V1,
+                input_ids=[1, 2, 3],
+                sampling=long,
+                stream=True,
+                on_response=first_response.set,
+                timeout=300,
+            )
+        )
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert first_response.wait(120)
+    cores[0].kill()
+    thread.join(300)
+    (result,) = in_flight
+    assert result.finals == 1 and result.error is not None and "vLLM engine failed" in result.error, result.error
+    assert len(result.token_ids()) < long["max_tokens"]
+    assert wait_for(lambda: not engine.is_running() or engine.status() == "zombie", 60)
+    assert wait_for(lambda: not model_ready(v1_server, V1), 60)
+    problems = probe.problems(probe.gather(server_pid, None, [V1, SMOLLM3]))
+    assert problems and all(V1 in problem for problem in problems), problems
+    after = grpc_generate(v1_server.grpc_url, SMOLLM3, prompt="hello", sampling=GREEDY, stream=True)
+    assert after.error is None and len(after.token_ids()) == TOKENS
+
+
+def tritonserver_pid(server: ServerProcess) -> int:
+    (pid,) = [pid for pid in procfs.descendants(server.process.pid) if triton_command.of_process(pid) is not None]
+    return pid
+
+
+def v1_engine_processes(server: ServerProcess, model: str) -> list[Any]:
+    """The V1 engine processes below the server of `model`'s stub."""
+    engines = server.running_with(V1_ENGINE_PROCESS_MODULE)
+    return [p for p in engines if f"/{model}/" in " ".join(procfs.cmdline(p.ppid()))]

@@ -18,7 +18,7 @@ import pytest
 os.environ["VLLM_USE_V1"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from triton_vllm_multistep.checks import engines, gpu_smoke, images, lora, lora_reference, pbtxt, structured
+from triton_vllm_multistep.checks import engines, gpu_smoke, images, lora, lora_reference, pbtxt, structured, v1_engine
 from triton_vllm_multistep.checks import report as smoke_report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,6 +135,34 @@ def test_the_image_checks_pass_on_their_own_with_the_tiny_llava_demo_model(tmp_p
         assert f"{request_id}: 12 tokens, finish length" in steps1 and steps1.count("equal=True") == 4
         assert f"{request_id}: 12 tokens" in alone and alone.count("equal=True") == 4
     assert "image_seconds" in report["figures"]
+
+
+def test_the_v1_checks_pass_on_their_own_with_the_v1_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--only v1 --cpu`: the model as a `vllm_engine: v1` copy runs it (model.json without its
+    multi-step settings), text prompts greedy and seeded in one batch, one output per step, each equal
+    to V1's offline LLM; V1's CPU platform leaves async scheduling off when model.json does not ask.
+    Eager and a 1 GiB KV cache: V1's CPU compile and its default 4 GiB cost a minute here."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    report_file = tmp_path / "report.json"
+    model = [
+        "--model-dir",
+        str(SHIPPED_MODEL),
+        "--model",
+        "demo://tiny-llama-bpe",
+        "--engine-args",
+        '{"enforce_eager": true}',
+    ]
+    code = gpu_smoke.main(["--cpu", "--only", "v1", *model, "--json", str(report_file)])
+    report = json.loads(report_file.read_text())
+    checks = {check["name"]: check for check in report["checks"]}
+    assert [name for name, check in checks.items() if not check["passed"] or check["skipped"]] == [], checks
+    equal = [name for name in checks if name.endswith("equals V1's offline LLM")]
+    assert len(equal) == len(v1_engine.SAMPLINGS) * len(v1_engine.PROMPTS) and len(checks) == len(equal) + 3
+    assert code == 0
+    assert report["engine"]["v1"]["async_scheduling"] is False and report["engine"]["v1"]["max_model_len"] == 2048
+    assert "v1_seconds" in report["figures"]
 
 
 def _lora_skips(model: str) -> smoke_report.SmokeReport:

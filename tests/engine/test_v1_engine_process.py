@@ -8,6 +8,7 @@ V1 `LLM` in that environment (a subprocess). No Triton (tests/e2e has the served
 
 from __future__ import annotations
 
+import json
 import pickle
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 from relay import Relay
 
 from triton_vllm_multistep.checks.collector import EventCollector
+from triton_vllm_multistep.checks.v1_reference import offline_v1_tokens, run_v1_script
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.engine import events
 from triton_vllm_multistep.engine import process as engine_process
@@ -28,9 +30,7 @@ from triton_vllm_multistep.engine.events import (
     RequestFailed,
     StepOutputs,
 )
-from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec
-from triton_vllm_multistep.host.launcher import v1_environment_python
-from triton_vllm_multistep.testing.v1_reference import offline_v1_tokens
+from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec, v1_environment_python
 
 REPO = Path(__file__).resolve().parents[2]
 V1_PYTHON = v1_environment_python() or REPO / ".venv-v1" / "bin" / "python"
@@ -155,6 +155,64 @@ def test_an_engine_argument_v1_refuses_is_the_build_error() -> None:
     with pytest.raises(EngineBuildError, match="refuses model.json's engine arguments: .*no_such_argument"):
         process.start_engine()
     process.stop()
+
+
+_GPU_DECISIONS = """
+import json, os, sys
+from unittest import mock
+from vllm.platforms import current_platform
+from vllm.platforms.cpu import CpuPlatform
+import vllm.v1.engine.llm_engine as llm_engine
+from triton_vllm_multistep.engine.messages import EngineSpec
+from triton_vllm_multistep.engine_v1 import cpu_async, cpu_lora, process
+built = []
+def from_engine_args(engine_args, stat_loggers=None, **kwargs):
+    built.append(engine_args)
+    return object()
+found = {}
+for name, fields in json.loads(sys.stdin.read()).items():
+    with mock.patch.object(type(current_platform), "is_cpu", lambda self: False), \\
+            mock.patch.object(llm_engine.LLMEngine, "from_engine_args", staticmethod(from_engine_args)):
+        process.build_engine(EngineSpec(fields, "step"))
+    found[name] = {
+        "async_scheduling": built[-1].async_scheduling,
+        "enable_lora": built[-1].enable_lora,
+        "environment": sorted(k for k in (cpu_async.KEEP_ENV, cpu_lora.FIX_ENV) if k in os.environ),
+        "cpu_check_kept_async": getattr(CpuPlatform.check_and_update_config, "keeps_async_scheduling", False),
+    }
+print("GPU-DECISIONS", json.dumps(found))
+"""
+
+
+def test_on_a_gpu_platform_the_v1_engine_process_leaves_vllms_decisions_to_vllm() -> None:
+    """The engine process's CPU-only steps, with the platform answering "not CPU" (vLLM 0.32's CUDA
+    platform cannot be imported by its CPU build; its own GPU decisions are not simulated): an image
+    model is not refused, no CPU fix is installed (the LoRA shrink, async scheduling kept), and
+    `async_scheduling` goes to vLLM as model.json gives it (unset: vLLM decides, vllm/config/vllm.py
+    turns it on where the executor supports it)."""
+    image_model = str(demo_models.build("tiny-llava"))
+    cases = {
+        "image_model_lora": {"model": image_model, "enable_lora": True, "enforce_eager": True},
+        "async_asked": {**_fields(), "async_scheduling": True},
+    }
+    stdout = run_v1_script(
+        V1_PYTHON,
+        _GPU_DECISIONS,
+        (),
+        json.dumps(cases),
+        "the V1 GPU decisions script",
+        {"PYTHONPATH": engine_process.PACKAGE_PARENT},
+    )
+    (line,) = [line for line in stdout.splitlines() if line.startswith("GPU-DECISIONS ")]
+    found = json.loads(line.removeprefix("GPU-DECISIONS "))
+    assert found["image_model_lora"] == {
+        "async_scheduling": None,
+        "enable_lora": True,
+        "environment": [],
+        "cpu_check_kept_async": False,
+    }
+    assert found["async_asked"]["async_scheduling"] is True and found["async_asked"]["environment"] == []
+    assert found["async_asked"]["cpu_check_kept_async"] is False
 
 
 if __name__ == "__main__":

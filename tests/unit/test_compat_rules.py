@@ -154,11 +154,13 @@ def test_an_image_for_a_text_only_model_is_refused_naming_the_input_in_vllms_wor
         decode({"text_input": text("<image> what?"), "image": text("aGVsbG8=")})
 
 
-def test_streaming_with_the_prompt_keeps_their_leading_phrase() -> None:
+def test_streaming_with_the_prompt_is_refused_in_their_words_whole_with_the_advice_for_the_log() -> None:
     flags = {"stream": np.array([True]), "exclude_input_in_output": np.array([False])}
     with pytest.raises(codec.RequestError) as raised:
         decode({"text_input": text("hi"), **flags})
-    assert str(raised.value).startswith("When streaming, `exclude_input_in_output` = False is not allowed.")
+    their_text = "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
+    assert str(raised.value) == their_text
+    assert raised.value.log_detail and "'exclude_input_in_output' to true" in raised.value.log_detail
 
 
 # --- metrics -----------------------------------------------------------------------------------

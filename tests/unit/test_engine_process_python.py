@@ -14,6 +14,7 @@ from triton_vllm_multistep.engine.process import (
     EngineSpec,
     NoPythonForEngineProcess,
     python_for_children,
+    v1_import_path,
 )
 
 
@@ -59,3 +60,11 @@ def test_a_python_that_cannot_start_is_an_error_saying_what_to_set() -> None:
     with pytest.raises(NoPythonForEngineProcess, match=f"set {PYTHON_ENV} to a Python"):
         process.start_engine()
     assert issubclass(NoPythonForEngineProcess, EngineProcessError)
+
+
+def test_the_v1_engine_process_gets_a_source_checkout_on_its_path_but_never_a_site_packages_folder() -> None:
+    """A site-packages folder on the V1 Python's PYTHONPATH would put this environment's vLLM 0.8.5,
+    torch and numpy 1 ahead of the V1 environment's own (the image installs the package there too)."""
+    assert v1_import_path("/work/checkout/backend") == {"PYTHONPATH": "/work/checkout/backend"}
+    assert v1_import_path("/usr/local/lib/python3.10/dist-packages") == {}
+    assert v1_import_path("/opt/venv/lib/python3.10/site-packages") == {}

@@ -10,6 +10,8 @@ reasons unfinished, logprobs as vLLM's Logprob dicts); the launcher's --openai-*
 from __future__ import annotations
 
 import json
+import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -157,3 +159,26 @@ def test_an_image_request_with_logprobs_asks_for_both_their_outputs() -> None:
     assert {"num_input_tokens", "logprobs"} <= set(request.outputs)
     assert request.inputs["image"].tolist() == [b"aW1n"]
     assert request.inputs["return_num_input_tokens"].tolist() == [True]
+
+
+def test_v1_models_are_left_out_of_the_openai_api_with_a_warning_or_refused_when_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Their chat templates and tokenizers belong to the V1 environment (not built for this API yet):
+    never served through this environment's tokenizer."""
+    models = []
+    for name, engine in (("multistep", "multistep"), ("on_v1", "v1")):
+        folder = tmp_path / name
+        (folder / "1").mkdir(parents=True)
+        (folder / "1" / "model.json").write_text(json.dumps({"model": str(tmp_path)}))
+        loaded = {"name": name, "backend": "vllm_multistep", "parameters": {"vllm_engine": {"string_value": engine}}}
+        models.append((name, "1", loaded, folder))
+    server.logger.addHandler(caplog.handler)  # the front end's logger may not propagate (its own handler)
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert [name for name, *_ in server.without_v1_models(models, [])] == ["multistep"]
+    finally:
+        server.logger.removeHandler(caplog.handler)
+    assert "model on_v1: not served by the OpenAI API (vllm_engine 'v1'" in caplog.text
+    with pytest.raises(RuntimeError, match="--triton-model on_v1: vllm_engine 'v1' models are not served"):
+        server.without_v1_models(models, ["on_v1"])

@@ -79,6 +79,15 @@ def write_adapter(
     return out_dir
 
 
+def write_biased_adapter(model_dir: Path, out_dir: Path, *, seed: int) -> Path:
+    """An adapter whose config asks for a bias (`bias: all`) vLLM does not serve: only vLLM's own load
+    of it refuses it (the load-error tests of both engines)."""
+    write_adapter(model_dir, out_dir, seed=seed)
+    config = json.loads((out_dir / "adapter_config.json").read_text())
+    (out_dir / "adapter_config.json").write_text(json.dumps({**config, "bias": "all"}))
+    return out_dir
+
+
 def merged_state_dict(model_dir: Path, adapter_dir: Path) -> dict[str, torch.Tensor]:
     """The model's weights with the adapter merged in: W + (lora_alpha / r) * B @ A (PEFT's merge)."""
     state = load_file(str(model_dir / "model.safetensors"))

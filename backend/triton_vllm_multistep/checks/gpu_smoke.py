@@ -18,7 +18,9 @@ reference; checks that cannot run are reported skipped, with the reason. Section
 image`): the tiny LLaVA demo model (built locally, demo/tiny_llava.py) with the config's engine
 arguments: requests with one and two images and a text request in one batch each give their tokens
 alone and those of num_scheduler_steps 1 (engine process: images cross its pipe), and the image
-changes the answer. `--cpu` runs the same
+changes the answer. Section "v1" (`--only v1`): the model on vLLM's current engine, as a `vllm_engine:
+v1` copy of it runs (checks/v1_engine.py): text prompts streamed one output per step in one batch,
+each equal to V1's offline LLM in the V1 environment. `--cpu` runs the same
 checks on the CPU engine (what tests/engine/test_gpu_smoke_cpu.py runs; the sections live beside this module in
 checks/). Must not start Triton,
 and refuses to run without a GPU unless `--cpu` is given. Takes well under 10 minutes on one GPU.
@@ -41,9 +43,10 @@ from triton_vllm_multistep.checks.images import run_image_checks
 from triton_vllm_multistep.checks.lora import run_lora_checks
 from triton_vllm_multistep.checks.lora_reference import TRANSFORMERS_MAX_PARAMS, parse_lora_adapters
 from triton_vllm_multistep.checks.report import SmokeReport
+from triton_vllm_multistep.checks.v1_engine import run_v1_checks, v1_engine_values
 
 NO_GPU_MESSAGE = "no CUDA device: this script is for GPU hosts (--cpu runs the same checks on the CPU engine)"
-SECTIONS = ("engine", "lora", "image")  # --only chooses one
+SECTIONS = ("engine", "lora", "image", "v1")  # --only chooses one
 
 
 def run_smoke(
@@ -51,6 +54,7 @@ def run_smoke(
     sections: Sequence[str] = SECTIONS,
     lora_adapters: Sequence[tuple[str, Path]] | None = None,
     lora_transformers: str = "auto",
+    v1_engine_values: dict[str, Any] | None = None,
 ) -> SmokeReport:
     """Build the engine as the backend does and run the checks of `sections` ("engine": streaming,
     cancel, idle, engine process, structured output; "lora": multi-LoRA, `run_lora_checks`; "image":
@@ -78,6 +82,12 @@ def run_smoke(
         image_started = time.perf_counter()
         run_image_checks(report, engine_args, user_threads)
         report.figures["image_seconds"] = time.perf_counter() - image_started
+    if "v1" in sections and v1_engine_values is not None:
+        if set(sections) - {"v1"}:
+            release_engine_memory()
+        v1_started = time.perf_counter()
+        run_v1_checks(report, v1_engine_values)
+        report.figures["v1_seconds"] = time.perf_counter() - v1_started
     report.figures["total_seconds"] = time.perf_counter() - started
     return report
 
@@ -132,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         options.model_dir, config_file, options.model, json.loads(options.engine_args)
     )
     sections = (options.only,) if options.only else SECTIONS
-    report = run_smoke(engine_args, sections, lora_adapters, options.lora_transformers)
+    v1_values = None
+    if "v1" in sections:
+        v1_values = v1_engine_values(options.model_dir, config_file, options.model, json.loads(options.engine_args))
+    report = run_smoke(engine_args, sections, lora_adapters, options.lora_transformers, v1_values)
     print("figures:", json.dumps({k: round(v, 3) for k, v in report.figures.items()}))
     if options.json:
         options.json.write_text(

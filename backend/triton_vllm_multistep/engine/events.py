@@ -169,6 +169,7 @@ class EngineFacts:
     attention_kernels: str  # engine.cpu_attention.attention_kernels()
     max_loras: int = 0  # LoRA adapters a batch may hold (vLLM's max_loras); 0: LoRA off
     images_per_prompt: int = 0  # vLLM's limit_mm_per_prompt for images; 0: the model takes none
+    async_scheduling: bool = False  # V1 schedules the next step while this one runs
 
 
 EngineEvent = StepOutputs | RequestFailed | EngineDied
@@ -180,6 +181,12 @@ class EngineBuildError(ValueError):
     Defined here (raised by engine/factory.py) so that an engine process's build failure crosses to
     the stub as itself without vLLM.
     """
+
+
+def adapter_load_error(name: str, path: str, error: BaseException) -> EngineBuildError:
+    """A multi_lora.json adapter vLLM's own load refused at the model's start, in one wording for both
+    engines (engine/warmup.py, engine_v1/process.py)."""
+    return EngineBuildError(f"LoRA adapter {name!r} ({path}) cannot be loaded by vLLM: {type(error).__name__}: {error}")
 
 
 class EngineWarmupError(RuntimeError):

@@ -31,6 +31,7 @@ import sys
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from triton_vllm_multistep.engine import cpu_placement
@@ -92,6 +93,22 @@ def python_for_children() -> str | None:
     if sys.executable and os.path.basename(sys.executable).startswith("python"):
         return sys.executable
     return shutil.which(f"python{sys.version_info.major}.{sys.version_info.minor}")
+
+
+def v1_environment_python() -> Path | None:
+    """The Python of the V1 environment scripts/setup.sh builds beside this one (.venv-v1), if there is one."""
+    candidate = Path(sys.prefix).parent / ".venv-v1" / "bin" / "python"
+    return candidate if candidate.exists() else None
+
+
+def v1_import_path(package_parent: str) -> dict[str, str]:
+    """The V1 engine process's PYTHONPATH: the package's folder when it is a source checkout (scripts/
+    setup.sh's .venv-v1 has no copy), nothing when it is installed (a site-packages folder would
+    bring this environment's vLLM, torch and numpy ahead of the V1 environment's: the image installs
+    the package into its V1 environment too, docker/Dockerfile)."""
+    if os.path.basename(package_parent) in ("site-packages", "dist-packages"):
+        return {}
+    return {"PYTHONPATH": package_parent}
 
 
 def _no_python_message(detail: str) -> str:
@@ -157,7 +174,8 @@ class EngineProcess:
         ours, theirs = socket.socketpair()
         environment = dict(os.environ)
         if self._v1:
-            environment["PYTHONPATH"] = PACKAGE_PARENT
+            environment.pop("PYTHONPATH", None)
+            environment.update(v1_import_path(PACKAGE_PARENT))
             environment.pop("VLLM_USE_V1", None)  # the stub's environment pins V0 for its own vLLM
         else:
             # This interpreter's import paths (the stub's: the package and its environment's packages).

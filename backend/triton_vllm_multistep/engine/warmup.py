@@ -21,7 +21,7 @@ from vllm.inputs import TokensPrompt
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 
-from triton_vllm_multistep.engine.events import EngineBuildError, EngineWarmupError
+from triton_vllm_multistep.engine.events import EngineWarmupError, adapter_load_error
 
 logger = logging.getLogger(__name__)
 
@@ -171,9 +171,7 @@ def preload_adapters(engine: LLMEngine, adapters: Sequence[tuple[str, int, str]]
             engine.add_lora(LoRARequest(name, lora_int_id, path))
         except Exception as error:
             engine.model_executor.shutdown()
-            raise EngineBuildError(
-                f"LoRA adapter {name!r} ({path}) cannot be loaded by vLLM: {type(error).__name__}: {error}"
-            ) from None
+            raise adapter_load_error(name, path, error) from None
     if adapters:
         logger.info("LoRA adapters checked: %s", ", ".join(name for name, _, _ in adapters))
     return engine

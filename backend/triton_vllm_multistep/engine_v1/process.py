@@ -30,20 +30,29 @@ from triton_vllm_multistep.engine.events import (
     EngineRequest,
     RequestFailed,
     StepOutputs,
+    adapter_load_error,
     prompt_limit,
     prompt_too_long_message,
     token_ids_of,
 )
 from triton_vllm_multistep.engine.messages import Abort, Built, EngineSpec, Serve, Stop, Stopped, build_failure, sender
 from triton_vllm_multistep.engine.outputs import plain_outputs
-from triton_vllm_multistep.engine_v1 import cpu_lora, stats
+from triton_vllm_multistep.engine_v1 import cpu_async, cpu_lora, stats
 from triton_vllm_multistep.engine_v1.sampling import UnsupportedOnV1, sampling_params
 
 logger = logging.getLogger(__name__)
 if os.environ.get(cpu_lora.FIX_ENV):  # in vLLM's engine core too: spawned, it imports this module again
     cpu_lora.exact_base_rows_in_mixed_batches()
+if os.environ.get(cpu_async.KEEP_ENV):  # the same
+    cpu_async.keep_async_scheduling()
 # What the engine thread waits for a command when it has nothing to step.
 IDLE_WAIT_SECONDS = 0.05
+# How often the core watcher looks at whether vLLM has found its engine core dead.
+CORE_WATCH_SECONDS = 0.2
+
+
+class _CoreDied:
+    """The core watcher's command: the engine core is gone (the engine thread raises vLLM's error)."""
 
 
 def build_engine(spec: EngineSpec) -> tuple[Any, stats.SchedulerStatsLogger]:
@@ -61,12 +70,53 @@ def build_engine(spec: EngineSpec) -> tuple[Any, stats.SchedulerStatsLogger]:
         raise EngineBuildError(f"vLLM {vllm.__version__} (V1) refuses model.json's engine arguments: {error}") from None
     from vllm.platforms import current_platform
 
+    if current_platform.is_cpu():
+        refuse_image_models_on_cpu(engine_args)
+    if engine_args.async_scheduling and current_platform.is_cpu():
+        os.environ[cpu_async.KEEP_ENV] = "1"  # before the engine core starts: it inherits the environment
+        cpu_async.keep_async_scheduling()
     if engine_args.enable_lora and current_platform.is_cpu():
         os.environ[cpu_lora.FIX_ENV] = "1"  # before the engine core starts: it inherits the environment
         cpu_lora.exact_base_rows_in_mixed_batches()
     recorder = stats.SchedulerStatsLogger.factory()
     engine = LLMEngine.from_engine_args(engine_args, stat_loggers=[recorder])
+    preload_adapters(engine, spec.lora_adapters)
     return engine, recorder.latest
+
+
+def refuse_image_models_on_cpu(engine_args: Any) -> None:
+    """An image model on a CPU host is a load error saying so: the V1 environment has no torchvision
+    (PyPI's builds need CUDA and break `import vllm` on CPU), without which vLLM 0.32 cannot even
+    inspect such a model (its own error only says "failed to be inspected")."""
+    from transformers import AutoConfig
+    from vllm.model_executor.models.registry import _MULTIMODAL_MODELS
+
+    try:
+        config = AutoConfig.from_pretrained(engine_args.model, trust_remote_code=engine_args.trust_remote_code)
+    except Exception:  # vLLM's own build says what is wrong with the model
+        return
+    image_models = sorted(set(getattr(config, "architectures", None) or ()) & set(_MULTIMODAL_MODELS))
+    if image_models:
+        raise EngineBuildError(
+            f"{image_models[0]} is a multimodal model: on vllm_engine 'v1' this backend serves it on GPU hosts "
+            "only (the V1 environment on CPU has no torchvision); on CPU serve it with vllm_engine 'multistep'"
+        )
+
+
+def preload_adapters(engine: Any, adapters: tuple[tuple[str, int, str], ...]) -> None:
+    """multi_lora.json's adapters loaded once into V1's engine core, as a request would load them (its
+    PEFT checks, rank, modules): a bad one fails the model's load naming it, as on the multi-step
+    engine (engine/warmup.py), the engine shut down; not at its first request."""
+    from vllm.lora.request import LoRARequest
+
+    for name, lora_int_id, path in adapters:
+        try:
+            engine.add_lora(LoRARequest(name, lora_int_id, path))
+        except Exception as error:
+            engine.engine_core.shutdown()
+            raise adapter_load_error(name, path, error) from None
+    if adapters:
+        logger.info("LoRA adapters checked: %s", ", ".join(name for name, _, _ in adapters))
 
 
 def engine_facts(engine: Any) -> EngineFacts:
@@ -82,6 +132,7 @@ def engine_facts(engine: Any) -> EngineFacts:
         attention_kernels="vLLM V1",
         max_loras=lora_config.max_loras if lora_config else 0,
         images_per_prompt=0,
+        async_scheduling=bool(engine.vllm_config.scheduler_config.async_scheduling),
     )
 
 
@@ -105,6 +156,23 @@ class EngineThread:
 
     def start(self) -> None:
         self._thread.start()
+        threading.Thread(target=self._watch_core, name="vllm-v1-core-watch", daemon=True).start()
+
+    def _watch_core(self) -> None:
+        """vLLM 0.32's synchronous client sees its engine core die (its monitor marks it dead and shuts
+        the client down) but leaves a step waiting for outputs forever, and an idle engine would only
+        fail its next request. Measured: a core killed mid-stream left the stream hanging. Wake the
+        engine thread with vLLM's own EngineDeadError, whether it steps or idles."""
+        client = self.engine.engine_core
+        while not self.stopped.wait(CORE_WATCH_SECONDS):
+            if getattr(getattr(client, "resources", None), "engine_dead", False):
+                from vllm.v1.engine.exceptions import EngineDeadError
+
+                self.commands.put(_CoreDied())
+                outputs = getattr(client, "outputs_queue", None)
+                if outputs is not None:
+                    outputs.put_nowait(EngineDeadError())
+                return
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -144,6 +212,10 @@ class EngineThread:
             self.serve = command
         elif isinstance(command, Stop):
             self.stopped.set()
+        elif isinstance(command, _CoreDied):
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            raise EngineDeadError()
 
     def _admit(self, request: EngineRequest) -> None:
         try:
@@ -154,7 +226,9 @@ class EngineThread:
 
                 lora = LoRARequest(*request.adapter)
             if request.images:
-                raise UnsupportedOnV1("images: this backend serves images on V1 on GPU hosts only")
+                raise UnsupportedOnV1(
+                    "images: not served on vllm_engine 'v1' by this backend yet; vllm_engine 'multistep' serves them"
+                )
             prompt = self._prompt(request)
             self.engine.add_request(request.request_id, prompt, params, lora_request=lora)
         except Exception as error:  # this request alone: refused in vLLM's words (or the stub's)

@@ -132,6 +132,20 @@ def model_settings(name: str, version: str, loaded: dict, folder: Path) -> tuple
     return model_config, tokenizer, settings.adapters or ()
 
 
+def without_v1_models(models: list[tuple[str, str, dict, Path]], named: list[str]) -> list[tuple[str, str, dict, Path]]:
+    """The models this API serves: not those on `vllm_engine: v1`, whose chat template and tokenizer
+    must run in the V1 environment (not built yet): skipped with a warning, or an error if named."""
+    served = []
+    for name, version, loaded, folder in models:
+        if read_model_settings(folder, version, loaded).backend.vllm_engine != "v1":
+            served.append((name, version, loaded, folder))
+        elif name in named:
+            raise RuntimeError(f"--triton-model {name}: vllm_engine 'v1' models are not served by this OpenAI API yet")
+        else:
+            logger.warning("model %s: not served by the OpenAI API (vllm_engine 'v1' models are not, yet)", name)
+    return served
+
+
 def served_models(client: Any, models: list[tuple[str, str, dict, Path]]) -> list[Any]:
     from vllm.entrypoints.openai.serving_models import LoRAModulePath
 
@@ -163,6 +177,7 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await wait_for_server(client, args.ready_timeout)
         models = await discover(client, [Path(r) for r in args.model_repository], args.triton_model)
+        models = without_v1_models(models, args.triton_model)
         if not models:
             raise RuntimeError(f"tritonserver has no loaded {BACKEND_NAME} model to serve")
         served = served_models(client, models)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from triton_vllm_multistep.demo import models as demo_models
-from triton_vllm_multistep.engine.process import V1_PYTHON_ENV
+from triton_vllm_multistep.engine.process import V1_PYTHON_ENV, v1_environment_python
 from triton_vllm_multistep.host import openai_process, stub_python
 from triton_vllm_multistep.lifecycle import procfs, triton_command
 from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV, EXIT_GRACE_SECONDS
@@ -184,12 +184,6 @@ def server_environment(install: TritonInstall, base: dict[str, str] | None = Non
     if v1_python is not None:
         env.setdefault(V1_PYTHON_ENV, str(v1_python))
     return env
-
-
-def v1_environment_python() -> Path | None:
-    """The Python of the V1 environment scripts/setup.sh builds beside this one (.venv-v1), if there is one."""
-    candidate = Path(sys.prefix).parent / ".venv-v1" / "bin" / "python"
-    return candidate if candidate.exists() else None
 
 
 def environment_import_paths() -> list[str]:

@@ -33,6 +33,7 @@ from triton_vllm_multistep.interface import (
     LORA_NAME_FIELD,
     LORA_OFF_MESSAGE,
     RETURN_FLAGS,
+    STREAM_WITH_PROMPT_MESSAGE,
 )
 from triton_vllm_multistep.interface import SAMPLING_PARAMETERS as SAMPLING_TENSOR
 from triton_vllm_multistep.settings.backend import MAX_STREAM_INTERVAL, Limits
@@ -42,7 +43,12 @@ from triton_vllm_multistep.stub.images import ImageError, read_images
 
 
 class RequestError(ValueError):
-    """A request is invalid; the message names the offending input or field."""
+    """A request is invalid; the message names the offending input or field. `log_detail`: what the
+    server log adds where the message must be another backend's words exactly."""
+
+    def __init__(self, message: str, log_detail: str | None = None) -> None:
+        super().__init__(message)
+        self.log_detail = log_detail
 
 
 def _to_int(name: str, value: Any) -> int:
@@ -163,8 +169,6 @@ TRITON_RESERVED_PARAMETERS = frozenset(
 )
 MAX_SEED = 2**63 - 1
 REQUEST_PARAMETERS = "parameters"  # how errors name a field that came from the request parameters
-# Leading phrases of Triton's vLLM backend's messages, kept so clients matching on them still do.
-STREAM_WITH_PROMPT_MESSAGE = "When streaming, `exclude_input_in_output` = False is not allowed."
 
 
 @dataclass(frozen=True)
@@ -504,8 +508,8 @@ def decode_request(
         exclude = stream or has_ids
     if stream and not exclude:
         raise RequestError(
-            f"{STREAM_WITH_PROMPT_MESSAGE} Set input 'exclude_input_in_output' to true or leave it out when "
-            "'stream' is true"
+            STREAM_WITH_PROMPT_MESSAGE,
+            log_detail="set input 'exclude_input_in_output' to true or leave it out when 'stream' is true",
         )
 
     fields, source = sampling_fields(inputs, parameters_json)

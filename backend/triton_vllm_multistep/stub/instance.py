@@ -234,6 +234,7 @@ class ModelServer:
             cpus=settings.engine_cpus,
             use_ipex=False,
             max_prompt_tokens=settings.limits.max_prompt_tokens,
+            lora_adapters=tuple(adapter.engine_value() for adapter in self.adapters or ()),
         )
         from triton_vllm_multistep.engine.events import EngineBuildError
 
@@ -345,11 +346,12 @@ class ModelServer:
         if self.settings.stream_interval > 1:
             streaming += f", every {self.settings.stream_interval} engine outputs"
         logger.info(
-            "vllm_multistep: model %s (%s) ready: num_scheduler_steps=%d, streaming per %s, torch threads %s, "
+            "vllm_multistep: model %s (%s) ready: num_scheduler_steps=%d%s, streaming per %s, torch threads %s, "
             "engine %s, attention kernels %s, drains for up to %.1f s on unload",
             self.model_name,
             facts.model,
             facts.num_scheduler_steps,
+            " (async scheduling)" if facts.async_scheduling else "",
             streaming,
             self.loop.torch_threads,
             ("in a process of its own" if self.engine_in_process else "in the stub") + self._placement_text(),
@@ -411,6 +413,8 @@ class ModelServer:
                     outputs=triton_io.requested_outputs(request, OUTPUT_NAMES),
                 )
             except codec.RequestError as error:
+                if error.log_detail:
+                    logger.info("vllm_multistep: model %s: %s (%s)", self.model_name, error, error.log_detail)
                 self.responder.refuse(sender, str(error), self._pb.TritonError.INVALID_ARG)
                 continue
             except Exception as error:
@@ -441,7 +445,8 @@ class ModelServer:
                 self.responder.end(engine_id, self._unhealthy_message(), self._pb.TritonError.UNAVAILABLE)
 
     def _unhealthy_message(self) -> str:
-        return f"{UNHEALTHY_ENGINE_MESSAGE}: {self.loop.error or 'the engine is not running'}"
+        """Their backend's words, whole (the engine's error is in the server log: _after_engine_death_answered)."""
+        return UNHEALTHY_ENGINE_MESSAGE
 
     def _refuse(self, sender: Any) -> None:
         reason = self.responder.intake_closed

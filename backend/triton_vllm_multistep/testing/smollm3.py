@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from triton_vllm_multistep.checks.v1_reference import run_v1_script
 from triton_vllm_multistep.demo import cache
 from triton_vllm_multistep.demo import models as demo_models
-from triton_vllm_multistep.testing.v1_reference import run_v1_script
 
 NAME = "tiny-smollm3-random"
 

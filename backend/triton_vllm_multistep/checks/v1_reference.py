@@ -1,4 +1,4 @@
-"""The V1 engine's own answers for the tests: vLLM's offline `LLM` in the V1 environment.
+"""The V1 engine's own answers for the tests and the GPU smoke check: vLLM's offline `LLM` in the V1 environment.
 
 Owns running `LLM.generate` of the V1 environment (.venv-v1) in a subprocess on plain requests
 (prompt token ids or text; V1's SamplingParams fields, `structured_outputs` as a dict) and
@@ -9,6 +9,7 @@ exactly. Knows nothing of servers or of what is asserted.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -73,11 +74,24 @@ def offline_v1_outputs(
     return {rid: (ids, text) for rid, (ids, text) in json.loads(line.removeprefix("V1-REFERENCE ")).items()}
 
 
-def run_v1_script(python: Path | str, script: str, arguments: Sequence[str], stdin: str | None, what: str) -> str:
-    """`python -c script arguments` under the V1 environment's Python; its stdout, or RuntimeError
-    naming `what` with its stderr's end."""
+def run_v1_script(
+    python: Path | str,
+    script: str,
+    arguments: Sequence[str],
+    stdin: str | None,
+    what: str,
+    environment: Mapping[str, str] | None = None,
+) -> str:
+    """`python -c script arguments` under the V1 environment's Python (`environment` over this
+    process's); its stdout, or RuntimeError naming `what` with its stderr's end."""
     done = subprocess.run(
-        [str(python), "-c", script, *arguments], input=stdin, capture_output=True, text=True, timeout=900, check=False
+        [str(python), "-c", script, *arguments],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+        env={**os.environ, **(environment or {})},
     )
     if done.returncode != 0:
         raise RuntimeError(f"{what} failed:\n{done.stderr[-3000:]}")

@@ -1,0 +1,166 @@
+"""`vllm serve` (vLLM's own OpenAI API server) as the tests and benchmarks run it: the server users
+would run instead, and the reference a model served through this backend must equal.
+
+Owns its command line (engine arguments as its flags), starting it on a free port in a session of
+its own under a given Python (this environment's vLLM 0.8.5, or the V1 environment's, whose `vllm`
+script fails: `python -m vllm.entrypoints.openai.api_server`), waiting for it, finding its
+processes, stopping it, and asking it for one completion's token ids and text, streamed or whole.
+Knows nothing of what is asserted or measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from triton_vllm_multistep.testing import local_server
+
+
+def serve_arguments(values: Mapping[str, Any]) -> list[str]:
+    """`vllm serve` flags for engine arguments (all but `model`; None: vLLM's default): --name-with-dashes
+    VALUE, mappings as JSON, true as the bare flag, false as --no-name (never dropped: where vLLM's
+    default is true that would serve something else; where vLLM has no --no- form it refuses to start)."""
+    arguments: list[str] = []
+    for name, value in values.items():
+        if name == "model" or value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            arguments.append(flag)
+        elif value is False:
+            arguments.append("--no-" + name.replace("_", "-"))
+        else:
+            arguments += [flag, json.dumps(value) if isinstance(value, dict | list) else str(value)]
+    return arguments
+
+
+@dataclass
+class VllmServe:
+    """A running `vllm serve` (the parts of ServerProcess the benchmark uses, and completions)."""
+
+    process: subprocess.Popen
+    http_port: int
+    log_path: Path
+    served_name: str
+    transport: str = "openai"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def is_ready(self) -> bool:
+        import requests
+
+        try:
+            return requests.get(f"{self.http_url}/v1/models", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def process_groups(self) -> dict[str, list[Any]]:
+        """The API server (under "tritonserver", the frontend's column) and its engine process(es)."""
+        import psutil
+
+        try:
+            frontend = psutil.Process(self.process.pid)
+            children = frontend.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return {"tritonserver": [], "stub": [], "engine": []}
+        return {"tritonserver": [frontend], "stub": [], "engine": children}
+
+    def completion(
+        self, prompt: str | Sequence[int], sampling: Mapping[str, Any], stream: bool
+    ) -> tuple[list[int], str, int]:
+        """(token ids, text, responses carrying tokens) of one /v1/completions request: the prompt as
+        text or token ids, `sampling` as request fields (vLLM's names). Needs vLLM's
+        `return_token_ids` (0.10+: the V1 environment's)."""
+        import requests
+
+        body = {"model": self.served_name, "prompt": prompt if isinstance(prompt, str) else list(prompt)}
+        body.update({**sampling, "stream": stream, "return_token_ids": True})
+        response = requests.post(f"{self.http_url}/v1/completions", json=body, stream=stream, timeout=300)
+        if response.status_code != 200:
+            raise RuntimeError(f"vllm serve answered {response.status_code}: {response.text[:2000]}")
+        if not stream:
+            (choice,) = response.json()["choices"]
+            return list(choice["token_ids"]), choice["text"], 1
+        ids: list[int] = []
+        text, chunks = "", 0
+        for line in response.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            for choice in json.loads(line[len(b"data: ") :])["choices"]:
+                new_ids = choice.get("token_ids") or []
+                ids += new_ids
+                text += choice.get("text") or ""
+                chunks += bool(new_ids)
+        return ids, text, chunks
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGINT)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        return self.process.returncode
+
+
+def start_vllm_serve(
+    python: str | Path,
+    engine_values: Mapping[str, Any],
+    served_name: str,
+    log_path: Path,
+    environment: Mapping[str, str] | None = None,
+    timeout: float = 300.0,
+) -> tuple[VllmServe, float]:
+    """`vllm serve` of `engine_values` (model.json's fields, `model` a folder) under `python` on a free
+    port, the model named `served_name`; returns it and its seconds to ready, or raises naming its log."""
+    (port,) = local_server.free_ports(1)
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(engine_values["model"])]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name]
+    command += serve_arguments(engine_values)
+    started = time.monotonic()
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(environment or {})},
+            start_new_session=True,
+        )
+    server = VllmServe(process, port, log_path, served_name)
+    while time.monotonic() - started < timeout:
+        if process.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {process.returncode}: see {log_path}")
+        if server.is_ready():
+            return server, time.monotonic() - started
+        time.sleep(0.1)
+    server.stop()
+    raise TimeoutError(f"vllm serve not ready within {timeout} s: see {log_path}")
+
+
+@contextlib.contextmanager
+def serving(
+    python: str | Path,
+    engine_values: Mapping[str, Any],
+    served_name: str,
+    log_path: Path,
+    environment: Mapping[str, str] | None = None,
+) -> Iterator[VllmServe]:
+    """start_vllm_serve for the length of a with-block."""
+    server, _ = start_vllm_serve(python, engine_values, served_name, log_path, environment)
+    try:
+        yield server
+    finally:
+        server.stop()
