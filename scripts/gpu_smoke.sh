@@ -4,7 +4,7 @@
 # vLLM runs (attention backend, CUDA graphs, async output processing). Needs a GPU host with the
 # GPU environment (scripts/setup.sh --gpu, or the Docker image); refuses to run without a GPU.
 # Usage: scripts/gpu_smoke.sh [--model-dir DIR] [--config FILE] [--model PATH] [--engine-args JSON]
-#                             [--json REPORT] [--cpu] [--only engine|lora|image]
+#                             [--json REPORT] [--cpu] [--only engine|lora|image|v1]
 #                             [--lora-adapters NAME=PATH,NAME=PATH] [--lora-transformers auto|on|off]
 # --cpu runs the same checks on the CPU engine (CPU build of vLLM), as the test suite does.
 set -euo pipefail

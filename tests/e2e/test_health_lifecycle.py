@@ -34,6 +34,7 @@ from private_servers import (
 )
 from triton_clients import StreamResult, grpc_generate
 
+from triton_vllm_multistep.interface import UNHEALTHY_ENGINE_MESSAGE
 from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV
 from triton_vllm_multistep.stubguard import guard, watch
 from triton_vllm_multistep.testing.faults import FAULT_FILE_ENV, server_environment
@@ -341,7 +342,7 @@ def test_engine_failure_fails_streams_in_flight_refuses_new_and_unloads_the_mode
         assert wait_for(lambda: not model_ready(server, MODEL), timeout=60), "model still reported ready"
         refused = grpc_generate(server.grpc_url, MODEL, prompt="after", sampling=SHORT, stream=True, timeout=30)
         assert refused.finals == 1 and refused.error is not None
-        assert f"'{MODEL}' has no available versions" in refused.error or "vLLM engine failed" in refused.error
+        assert f"'{MODEL}' has no available versions" in refused.error or UNHEALTHY_ENGINE_MESSAGE in refused.error
         assert wait_for(lambda: len(stub_processes(server)) == 1, timeout=60), "the failed engine's stub still runs"
         # With unload_on_engine_failure false the model stays loaded (as in other model-control
         # modes, where Triton refuses unloads): it answers UNAVAILABLE at once and says so.
@@ -349,8 +350,11 @@ def test_engine_failure_fails_streams_in_flight_refuses_new_and_unloads_the_mode
         for _ in range(3):
             started = time.monotonic()
             refused = grpc_generate(server.grpc_url, STAYING, prompt="after", sampling=SHORT, stream=True, timeout=30)
-            assert refused.finals == 1 and refused.error is not None and "vLLM engine failed" in refused.error
+            assert refused.finals == 1 and refused.error is not None
+            assert refused.error.split("] ", 1)[-1] == UNHEALTHY_ENGINE_MESSAGE, refused.error  # their words, whole
             assert time.monotonic() - started < 10
+        # The engine's error is in the server log instead.
+        assert re.search(rf"model {STAYING}: engine failed \(vLLM engine failed", server.log_path.read_text())
         text = scrape(server)
         assert metric(text, "vllm_multistep:engine_alive", STAYING) == 0
         assert metric(text, "vllm:num_requests_running", MODEL) is None  # unloaded: its metrics are gone

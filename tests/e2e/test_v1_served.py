@@ -6,8 +6,9 @@ with a model this environment's transformers cannot load (a tiny random SmolLM3)
 and multi-LoRA as V1's own; prefix caching; the KV-cache gauges under both engines' names; the
 README's V1 block (SmolLM2 on V1, made by its commands, answering its client command as `vllm
 serve` does); what V1 removed is refused for that request alone; multi-step settings, an adapter
-vLLM refuses and an image model on CPU fail a V1 model's load saying so; a dead V1 engine core
-fails its model alone, and the probe says so.
+vLLM refuses and an image model on CPU fail a V1 model's load saying so; async scheduling asked in
+model.json is kept on CPU; unloading drains streams in flight; a dead V1 engine core fails its
+model alone, and the probe says so.
 
 Owns the served V1 checks on a server of its own (the tiny demo model, the SmolLM3 and the
 README's SmolLM2 on V1; the engine-process seam is tests/engine/test_v1_engine_process.py's).
@@ -405,6 +406,46 @@ def test_prefix_caching_on_v1_reuses_a_shared_prompt_and_gives_the_same_tokens(v
     assert wait_for(lambda: (metric(scrape(v1_server), hit_rate, V1) or 0) > 0, 30), metric(
         scrape(v1_server), hit_rate, V1
     )
+
+
+def test_unloading_a_v1_model_lets_its_streams_in_flight_finish_then_ends_its_engine(v1_server: ServerProcess) -> None:
+    """The drain on unload (config.pbtxt unload_drain_seconds) on V1: streams in flight complete whole,
+    the server log says so, and the model's V1 engine process (and vLLM's core below it) ends. Near the
+    end of this module: it takes llm_v1_lora down."""
+    (engine,) = v1_engine_processes(v1_server, V1_LORA)
+    core = [child for child in engine.children() if "resource_tracker" not in " ".join(child.cmdline())]
+    long = {**GREEDY, "max_tokens": 200}
+    streaming = {name: threading.Event() for name in ("base", "doll")}
+    results: list[Any] = []
+
+    def stream(name: str) -> None:
+        sampling = long if name == "base" else {**long, "lora_name": name}
+        results.append(
+            grpc_generate(
+                v1_server.grpc_url,
+                V1_LORA,
+                input_ids=[1, 5, 9],
+                sampling=sampling,
+                stream=True,
+                on_response=streaming[name].set,
+            )
+        )
+
+    threads = [threading.Thread(target=stream, args=(name,)) for name in streaming]
+    for thread in threads:
+        thread.start()
+    assert all(event.wait(120) for event in streaming.values())
+    with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
+        client.unload_model(V1_LORA)
+    for thread in threads:
+        thread.join(120)
+    assert [(r.error, r.finals, len(r.token_ids())) for r in results] == [(None, 1, 200)] * 2
+    log = v1_server.log_path.read_text(errors="replace")
+    assert "with 2 request(s) in flight: new requests are refused" in log
+    assert "every request in flight finished while draining" in log
+    assert wait_for(lambda: not model_ready(v1_server, V1_LORA), 60)
+    for process in [engine, *core]:
+        assert wait_for(lambda p=process: not p.is_running() or p.status() == "zombie", 60), process
 
 
 def test_a_v1_engine_core_that_dies_fails_its_requests_and_its_model_alone_and_the_probe_says_so(

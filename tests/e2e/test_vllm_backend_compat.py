@@ -320,6 +320,6 @@ def test_after_an_engine_failure_the_model_is_taken_out_of_service(compat_server
         assert refused.error is not None
         # Their text whole (their CI compares it whole); the engine's error is in the server log.
         assert refused.error.split("] ", 1)[-1] == "Model is unavailable due to unhealthy vLLM engine", refused.error
-        assert re.search(r"engine of model stays_loaded failed \(.*InjectedEngineFault", server.log_path.read_text())
+        assert re.search(r"model stays_loaded: engine failed \(.*InjectedEngineFault", server.log_path.read_text())
     finally:
         fault_file.unlink(missing_ok=True)

@@ -6,6 +6,7 @@ end, the GPU smoke check and the benchmarks read it; no vLLM or torch on the way
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import typing
@@ -157,3 +158,18 @@ def test_reading_settings_loads_no_vllm_torch_or_numpy_and_the_interface_nothing
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [[], []]
+
+
+def test_every_config_parameter_the_settings_read_is_in_the_engine_table_of_the_interface_doc() -> None:
+    """docs/interface.md's per-engine table names each config.pbtxt parameter settings/ reads (found in
+    its source: `params.get("name"`, `params["name"`, the `*_PARAMETER` names, `use_ipex`)."""
+    root = Path(__file__).resolve().parents[2]
+    source = "".join(path.read_text() for path in (root / "backend/triton_vllm_multistep/settings").glob("*.py"))
+    read = set(re.findall(r'params(?:\.get\(|\[)"([A-Za-z_]+)"', source))
+    read |= set(re.findall(r'_PARAMETER = "([A-Za-z_]+)"', source))
+    read |= set(re.findall(r'parameter_values\(model_config\)\.get\("([a-z_]+)"', source))
+    assert {"vllm_engine", "engine_args", "use_ipex", "unload_drain_seconds"} <= read
+    doc = (root / "docs" / "interface.md").read_text()
+    table = doc[doc.index("| config.pbtxt parameter | `multistep` | `v1` |") :].split("\n\n", 1)[0]
+    named = set(re.findall(r"`([A-Za-z_]+)`", "\n".join(row.split("|")[1] for row in table.splitlines()[2:])))
+    assert read - named == set(), sorted(read - named)
