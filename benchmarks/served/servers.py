@@ -37,11 +37,12 @@ def make_repository(
     return target
 
 
-def start_server(repository: Path, log_path: Path, *extra_args: str) -> tuple[ServerProcess, float]:
+def start_server(
+    repository: Path, log_path: Path, *extra_args: str, environment: dict[str, str] | None = None
+) -> tuple[ServerProcess, float]:
     """Start the launcher on free ports; returns the server and its seconds from start to READY."""
-    return local_server.start_ready_server(
-        repository, log_path, *extra_args, env={"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}, poll=0.05, attempts=3
-    )
+    env = {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, **(environment or {})}
+    return local_server.start_ready_server(repository, log_path, *extra_args, env=env, poll=0.05, attempts=3)
 
 
 def logged_torch_threads(server: Any) -> int | None:
@@ -89,10 +90,10 @@ def start_configuration(
     if config.server == load.BACKEND_OPENAI:
         (port,) = local_server.free_ports(1)
         started = time.monotonic()
-        server, _ = start_server(repository, log, f"--openai-port={port}")
+        server, _ = start_server(repository, log, f"--openai-port={port}", environment=config.environment)
         server.wait_openai_ready()
         return server, time.monotonic() - started
-    return start_server(repository, log)
+    return start_server(repository, log, environment=config.environment)
 
 
 def run_served(

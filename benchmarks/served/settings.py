@@ -44,6 +44,8 @@ class Config:
     server: str = "backend"
     # The outputs the client asks for (None: all, as a client that names none gets).
     client_outputs: list[str] | None = None
+    # Environment variables the server starts with (its stubs and engine processes inherit them).
+    environment: dict[str, str] = field(default_factory=dict)
 
 
 _TABLES = tomllib.loads((Path(__file__).with_name("targets.toml")).read_text())
