@@ -17,6 +17,8 @@ import psutil
 import requests
 from served_models import REAL_MODEL, TINY_ENGINE, TINY_MODEL
 
+from triton_vllm_multistep.engine.process import ENTRY_MODULE, V1_ENTRY_MODULE
+from triton_vllm_multistep.lifecycle import procfs
 from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, start_ready_server
 from triton_vllm_multistep.testing.polling import wait_for
 
@@ -73,6 +75,14 @@ def metric(text: str, name: str, model: str, **labels: str) -> float | None:
 def stub_processes(server: ServerProcess) -> list[psutil.Process]:
     """The server's live Python-backend stub processes (one per loaded model instance)."""
     return server.process_groups()["stub"]
+
+
+def engine_processes(server: ServerProcess, model: str | None = None, v1: bool = False) -> list[psutil.Process]:
+    """The server's engine processes (multi-step, or V1's with `v1`), of `model`'s stub only if named."""
+    engines = server.running_with(V1_ENTRY_MODULE if v1 else ENTRY_MODULE)
+    if model is None:
+        return engines
+    return [p for p in engines if f"/{model}/" in " ".join(procfs.cmdline(p.ppid()))]
 
 
 def model_ready(server: ServerProcess, model: str) -> bool:

@@ -13,13 +13,11 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
-from private_servers import make_repository, serving
+from private_servers import engine_processes, make_repository, serving
 from triton_clients import StreamResult, grpc_generate
 
 from triton_vllm_multistep.engine import cpu_placement
-from triton_vllm_multistep.lifecycle import procfs
 from triton_vllm_multistep.testing.local_server import ServerProcess
 from triton_vllm_multistep.testing.polling import wait_for
 
@@ -27,7 +25,6 @@ IN_STUB = "llm_engine_in_stub"
 OWN_PROCESS = "llm_engine_process"
 PINNED = "llm_engine_pinned"
 PROMPTS = ["hello world", "the quick brown fox", "cats sleep near warm windows"]
-ENGINE_PROCESS_MODULE = "triton_vllm_multistep.engine.process"
 
 
 @pytest.fixture(scope="module")
@@ -55,20 +52,12 @@ def _engine_cpu() -> int:
     return max(cpu_placement.allowed_cpus())
 
 
-def _engine_processes(server: ServerProcess, model: str | None = None) -> list[psutil.Process]:
-    """Engine processes below the server (of `model`'s stub only, if named)."""
-    engines = server.running_with(ENGINE_PROCESS_MODULE)
-    if model is None:
-        return engines
-    return [p for p in engines if f"/{model}/" in " ".join(procfs.cmdline(p.ppid()))]
-
-
 def test_the_engine_runs_in_its_own_process_and_streams_what_the_stub_engine_streams(server: ServerProcess) -> None:
     log = server.log_path.read_text(errors="replace")
     assert re.search(rf"model {OWN_PROCESS} \(.*?\) ready: .*engine in a process of its own", log)
     assert re.search(rf"model {IN_STUB} \(.*?\) ready: .*engine in the stub", log)
     # The default (and the pinned model's); not the model that set engine_process false.
-    assert len(_engine_processes(server)) == 2 and len(_engine_processes(server, OWN_PROCESS)) == 1
+    assert len(engine_processes(server)) == 2 and len(engine_processes(server, OWN_PROCESS)) == 1
     for prompt in PROMPTS:
         for sampling in ({"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 5}):
             want = _generate(server, IN_STUB, prompt, **sampling)
@@ -86,14 +75,14 @@ def test_engine_cpus_puts_every_engine_thread_on_its_cpus_and_the_stub_off_them(
     log = server.log_path.read_text(errors="replace")
     ready = rf"model {PINNED} \(.*?\) ready: .*torch threads 1, engine in a process of its own on CPUs {cpu},"
     assert re.search(ready, log)
-    (engine,) = _engine_processes(server, PINNED)
+    (engine,) = engine_processes(server, PINNED)
     engine_threads = cpu_placement.thread_cpus(engine.pid)
     assert len(engine_threads) > 1 and set(engine_threads.values()) == {(cpu,)}, engine_threads
     others = tuple(c for c in cpu_placement.allowed_cpus() if c != cpu)
     stub_threads = cpu_placement.thread_cpus(engine.parent().pid)
     assert set(stub_threads.values()) == {others}, stub_threads
     # The unpinned model's processes keep every CPU.
-    (unpinned,) = _engine_processes(server, OWN_PROCESS)
+    (unpinned,) = engine_processes(server, OWN_PROCESS)
     assert set(cpu_placement.thread_cpus(unpinned.parent().pid).values()) == {cpu_placement.allowed_cpus()}
     for prompt in PROMPTS:
         want = _generate(server, IN_STUB, prompt, temperature=0)
@@ -104,7 +93,7 @@ def test_engine_cpus_puts_every_engine_thread_on_its_cpus_and_the_stub_off_them(
 
 
 def test_a_dead_engine_process_fails_its_requests_and_its_model_alone(server: ServerProcess) -> None:
-    (engine,) = _engine_processes(server, OWN_PROCESS)
+    (engine,) = engine_processes(server, OWN_PROCESS)
     in_flight: list[StreamResult] = []
     first_response = threading.Event()
 

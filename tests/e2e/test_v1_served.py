@@ -31,6 +31,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from private_servers import (
     REPO_ROOT,
+    engine_processes,
     make_repository,
     metric,
     model_ready,
@@ -48,7 +49,6 @@ from triton_vllm_multistep.checks.v1_reference import offline_v1_outputs
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.engine.process import v1_environment_python
 from triton_vllm_multistep.host import probe
-from triton_vllm_multistep.lifecycle import procfs, triton_command
 from triton_vllm_multistep.testing import smollm3, vllm_serve
 from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model
 
@@ -76,7 +76,6 @@ V1_IMAGES = "llm_v1_images"  # the tiny LLaVA demo model on V1
 V1_LORA_ENGINE = {**V1_ENGINE, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
 LORA_NAMES = ("doll", "sheep")  # multi_lora.json's order: lora_int_id 1, 2
 SHIPPED_MODEL = REPO_ROOT / "model_repository" / "vllm_model"
-V1_ENGINE_PROCESS_MODULE = "triton_vllm_multistep.engine_v1.process"
 
 
 def lora_adapters(root: Path) -> dict[str, Path]:
@@ -412,8 +411,8 @@ def test_unloading_a_v1_model_lets_its_streams_in_flight_finish_then_ends_its_en
     """The drain on unload (config.pbtxt unload_drain_seconds) on V1: streams in flight complete whole,
     the server log says so, and the model's V1 engine process (and vLLM's core below it) ends. Near the
     end of this module: it takes llm_v1_lora down."""
-    (engine,) = v1_engine_processes(v1_server, V1_LORA)
-    core = [child for child in engine.children() if "resource_tracker" not in " ".join(child.cmdline())]
+    (engine,) = engine_processes(v1_server, V1_LORA, v1=True)
+    core = vllm_core_processes(engine)
     long = {**GREEDY, "max_tokens": 200}
     streaming = {name: threading.Event() for name in ("base", "doll")}
     results: list[Any] = []
@@ -455,10 +454,11 @@ def test_a_v1_engine_core_that_dies_fails_its_requests_and_its_model_alone_and_t
     the engine's failure, the model reports an unhealthy engine and unloads itself (explicit mode),
     its engine process ends, the probe names it, and the other models serve on. Last in this module:
     it takes llm_v1 down."""
-    server_pid = tritonserver_pid(v1_server)
+    (tritonserver,) = v1_server.process_groups()["tritonserver"]
+    server_pid = tritonserver.pid
     assert probe.problems(probe.gather(server_pid, None, [V1, SMOLLM3])) == []
-    (engine,) = v1_engine_processes(v1_server, V1)
-    cores = [child for child in engine.children() if "resource_tracker" not in " ".join(child.cmdline())]
+    (engine,) = engine_processes(v1_server, V1, v1=True)
+    cores = vllm_core_processes(engine)
     assert len(cores) == 1, [child.cmdline() for child in engine.children()]
     first_response = threading.Event()
     in_flight: list[Any] = []
@@ -493,12 +493,6 @@ def test_a_v1_engine_core_that_dies_fails_its_requests_and_its_model_alone_and_t
     assert after.error is None and len(after.token_ids()) == TOKENS
 
 
-def tritonserver_pid(server: ServerProcess) -> int:
-    (pid,) = [pid for pid in procfs.descendants(server.process.pid) if triton_command.of_process(pid) is not None]
-    return pid
-
-
-def v1_engine_processes(server: ServerProcess, model: str) -> list[Any]:
-    """The V1 engine processes below the server of `model`'s stub."""
-    engines = server.running_with(V1_ENGINE_PROCESS_MODULE)
-    return [p for p in engines if f"/{model}/" in " ".join(procfs.cmdline(p.ppid()))]
+def vllm_core_processes(engine: Any) -> list[Any]:
+    """vLLM's engine core below a V1 engine process (not multiprocessing's resource tracker)."""
+    return [child for child in engine.children() if "resource_tracker" not in " ".join(child.cmdline())]

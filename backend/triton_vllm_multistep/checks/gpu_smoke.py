@@ -138,13 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     config_file = options.config or options.model_dir / ("configs/cpu.pbtxt" if options.cpu else "config.pbtxt")
-    engine_args, _ = engine_args_from_config(
-        options.model_dir, config_file, options.model, json.loads(options.engine_args)
-    )
+    engine_overrides = json.loads(options.engine_args)
+    engine_args, _ = engine_args_from_config(options.model_dir, config_file, options.model, engine_overrides)
     sections = (options.only,) if options.only else SECTIONS
     v1_values = None
     if "v1" in sections:
-        v1_values = v1_engine_values(options.model_dir, config_file, options.model, json.loads(options.engine_args))
+        v1_values = v1_engine_values(options.model_dir, config_file, options.model, engine_overrides)
     report = run_smoke(engine_args, sections, lora_adapters, options.lora_transformers, v1_values)
     print("figures:", json.dumps({k: round(v, 3) for k, v in report.figures.items()}))
     if options.json:

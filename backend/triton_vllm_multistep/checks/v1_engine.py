@@ -52,8 +52,9 @@ def run_v1_checks(report: SmokeReport, engine_values: dict[str, Any], python: st
     from triton_vllm_multistep.engine.events import EngineRequest
     from triton_vllm_multistep.engine.process import V1_PYTHON_ENV, EngineProcess, EngineSpec, v1_environment_python
 
-    python = python or os.environ.get(V1_PYTHON_ENV) or (str(v1_environment_python() or "") or None)
-    if not python:
+    local = v1_environment_python()
+    python = python or os.environ.get(V1_PYTHON_ENV) or (str(local) if local else None)
+    if python is None:
         why = f"no V1 environment: {V1_PYTHON_ENV} is not set (the image sets it) and there is no .venv-v1"
         report.skip("v1 engine", why)
         return

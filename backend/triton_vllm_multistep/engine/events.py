@@ -10,8 +10,9 @@ vLLM's request objects from an EngineRequest, engine/outputs.py turns vLLM's out
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -20,6 +21,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 # it is `multi_step_stream_outputs`, True for "step").
 StreamMode = Literal["step", "window"]
 STREAM_MODES: tuple[StreamMode, ...] = ("step", "window")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -183,10 +185,23 @@ class EngineBuildError(ValueError):
     """
 
 
-def adapter_load_error(name: str, path: str, error: BaseException) -> EngineBuildError:
-    """A multi_lora.json adapter vLLM's own load refused at the model's start, in one wording for both
-    engines (engine/warmup.py, engine_v1/process.py)."""
-    return EngineBuildError(f"LoRA adapter {name!r} ({path}) cannot be loaded by vLLM: {type(error).__name__}: {error}")
+def load_adapters_once(
+    adapters: Sequence[tuple[str, int, str]], add_lora: Callable[[str, int, str], Any], shutdown: Callable[[], Any]
+) -> None:
+    """multi_lora.json's adapters (name, lora_int_id, path) loaded once at the model's start by the
+    engine's own `add_lora`, as vLLM loads one for a request: the first one vLLM refuses shuts the
+    engine down (`shutdown`) and is the model's load error naming it, in one wording for both engines
+    (engine/warmup.py, engine_v1/process.py each pass their vLLM's calls)."""
+    for name, lora_int_id, path in adapters:
+        try:
+            add_lora(name, lora_int_id, path)
+        except Exception as error:
+            shutdown()
+            raise EngineBuildError(
+                f"LoRA adapter {name!r} ({path}) cannot be loaded by vLLM: {type(error).__name__}: {error}"
+            ) from None
+    if adapters:
+        logger.info("LoRA adapters checked: %s", ", ".join(name for name, _, _ in adapters))
 
 
 class EngineWarmupError(RuntimeError):

@@ -21,7 +21,7 @@ from vllm.inputs import TokensPrompt
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 
-from triton_vllm_multistep.engine.events import EngineWarmupError, adapter_load_error
+from triton_vllm_multistep.engine.events import EngineWarmupError, load_adapters_once
 
 logger = logging.getLogger(__name__)
 
@@ -166,12 +166,7 @@ def preload_adapters(engine: LLMEngine, adapters: Sequence[tuple[str, int, str]]
     (files, PEFT config, rank, target modules the model supports); EngineBuildError naming the first
     that fails, the engine shut down. The cache keeps at most max_cpu_loras: later requests reload
     evicted ones from the same, now checked, folders."""
-    for name, lora_int_id, path in adapters:
-        try:
-            engine.add_lora(LoRARequest(name, lora_int_id, path))
-        except Exception as error:
-            engine.model_executor.shutdown()
-            raise adapter_load_error(name, path, error) from None
-    if adapters:
-        logger.info("LoRA adapters checked: %s", ", ".join(name for name, _, _ in adapters))
+    load_adapters_once(
+        adapters, lambda *adapter: engine.add_lora(LoRARequest(*adapter)), lambda: engine.model_executor.shutdown()
+    )
     return engine

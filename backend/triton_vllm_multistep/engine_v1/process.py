@@ -30,7 +30,7 @@ from triton_vllm_multistep.engine.events import (
     EngineRequest,
     RequestFailed,
     StepOutputs,
-    adapter_load_error,
+    load_adapters_once,
     prompt_limit,
     prompt_too_long_message,
     token_ids_of,
@@ -106,17 +106,12 @@ def refuse_image_models_on_cpu(engine_args: Any) -> None:
 def preload_adapters(engine: Any, adapters: tuple[tuple[str, int, str], ...]) -> None:
     """multi_lora.json's adapters loaded once into V1's engine core, as a request would load them (its
     PEFT checks, rank, modules): a bad one fails the model's load naming it, as on the multi-step
-    engine (engine/warmup.py), the engine shut down; not at its first request."""
+    engine, the engine shut down; not at its first request."""
     from vllm.lora.request import LoRARequest
 
-    for name, lora_int_id, path in adapters:
-        try:
-            engine.add_lora(LoRARequest(name, lora_int_id, path))
-        except Exception as error:
-            engine.engine_core.shutdown()
-            raise adapter_load_error(name, path, error) from None
-    if adapters:
-        logger.info("LoRA adapters checked: %s", ", ".join(name for name, _, _ in adapters))
+    load_adapters_once(
+        adapters, lambda *adapter: engine.add_lora(LoRARequest(*adapter)), lambda: engine.engine_core.shutdown()
+    )
 
 
 def engine_facts(engine: Any) -> EngineFacts:
