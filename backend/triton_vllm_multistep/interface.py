@@ -46,6 +46,8 @@ RETURN_LOGPROBS = "return_logprobs"
 RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
 RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
 RETURN_DETOKENIZATION_WINDOW = "return_detokenization_window"  # ours: the ensemble's postprocessing asks
+# The request's timings and prefix-cache use on its FINAL response (TensorRT-LLM's backend's flag and names).
+RETURN_PERF_METRICS = "return_perf_metrics"
 RETURN_FLAGS = (
     RETURN_FINISH_REASON,
     RETURN_CUMULATIVE_LOGPROB,
@@ -53,6 +55,7 @@ RETURN_FLAGS = (
     RETURN_NUM_INPUT_TOKENS,
     RETURN_NUM_OUTPUT_TOKENS,
     RETURN_DETOKENIZATION_WINDOW,
+    RETURN_PERF_METRICS,
 )
 BOOL_INPUTS = (STREAM, EXCLUDE_INPUT_IN_OUTPUT, *RETURN_FLAGS)
 # A field of `sampling_parameters` (or of the request parameters without that input): the adapter
@@ -70,6 +73,15 @@ NUM_OUTPUT_TOKENS = "num_output_tokens"
 # For a stateless postprocessing model: ids to replay, and (context, start, end) in them.
 WINDOW_IDS = "window_ids"
 WINDOW_OFFSETS = "window_offsets"
+# return_perf_metrics: Unix-epoch nanoseconds as the engine recorded them (-1 where it has none), and
+# how many prompt tokens came from the prefix cache.
+ARRIVAL_TIME_NS = "arrival_time_ns"
+FIRST_SCHEDULED_TIME_NS = "first_scheduled_time_ns"
+FIRST_TOKEN_TIME_NS = "first_token_time_ns"
+LAST_TOKEN_TIME_NS = "last_token_time_ns"
+PERF_TIME_OUTPUTS = (ARRIVAL_TIME_NS, FIRST_SCHEDULED_TIME_NS, FIRST_TOKEN_TIME_NS, LAST_TOKEN_TIME_NS)
+NUM_CACHED_TOKENS = "num_cached_tokens"
+PERF_METRICS_OUTPUTS = (*PERF_TIME_OUTPUTS, NUM_CACHED_TOKENS)
 
 INPUTS = (
     Tensor(TEXT_INPUT, "TYPE_STRING", (1,)),
@@ -92,6 +104,8 @@ OUTPUTS = (
     Tensor(NUM_OUTPUT_TOKENS, "TYPE_UINT32", (-1,)),
     Tensor(WINDOW_IDS, "TYPE_INT32", (-1,)),
     Tensor(WINDOW_OFFSETS, "TYPE_INT32", (3,)),
+    *(Tensor(name, "TYPE_INT64", (1,)) for name in PERF_TIME_OUTPUTS),
+    Tensor(NUM_CACHED_TOKENS, "TYPE_UINT32", (1,)),
 )
 INPUT_NAMES = tuple(tensor.name for tensor in INPUTS)
 OUTPUT_NAMES = tuple(tensor.name for tensor in OUTPUTS)

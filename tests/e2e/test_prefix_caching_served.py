@@ -66,6 +66,33 @@ def test_prefix_cached_model_streams_the_same_tokens_and_reports_hits(prefix_ser
     assert plain_rate == -1
 
 
+def test_perf_metrics_give_each_request_its_timings_and_its_prompt_tokens_from_the_cache(
+    prefix_server: ServerProcess,
+) -> None:
+    """return_perf_metrics on the FINAL response, streamed and whole: the engine's timings in order
+    within the client's own clock readings, and the prompt tokens taken from the prefix cache (none the
+    first time, whole 16-token blocks when the same prompt comes again; none without caching)."""
+    prompt = "system: a prompt no other test sends, long enough for several blocks of the cache. user: hi"
+    counts = {}
+    for model in (CACHED, PLAIN):
+        runs = [
+            grpc_generate(
+                prefix_server.grpc_url,
+                model,
+                prompt=prompt,
+                sampling={"max_tokens": 12, "temperature": 0},
+                stream=stream,
+                return_perf_metrics=True,
+            )
+            for stream in (True, False)
+        ]
+        assert all(run.error is None and run.finals == 1 for run in runs), [run.error for run in runs]
+        assert runs[0].token_ids() == runs[1].token_ids() and len(runs[0].token_ids()) == 12
+        counts[model] = [run.perf_metrics()["num_cached_tokens"] for run in runs]
+    assert counts[CACHED][0] == 0 and counts[CACHED][1] >= 16 and counts[CACHED][1] % 16 == 0, counts
+    assert counts[PLAIN] == [0, 0]
+
+
 def test_use_ipex_auto_serves_without_ipex_unless_prefix_caching_and_the_greedy_tokens_stay(
     prefix_server: ServerProcess,
 ) -> None:

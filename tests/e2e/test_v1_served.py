@@ -390,17 +390,31 @@ def test_an_image_model_on_v1_on_a_cpu_host_fails_its_load_saying_so(v1_server: 
 
 def test_prefix_caching_on_v1_reuses_a_shared_prompt_and_gives_the_same_tokens(v1_server: ServerProcess) -> None:
     """V1 caches prefixes by default: the same prompt again (its blocks now cached) streams the tokens
-    it streamed cold, greedy and seeded, and the hit-rate gauge shows the reuse. The system prompt
-    fills more than one KV block (128 tokens on V1's CPU backend): only full blocks are cached."""
+    it streamed cold (whole, the second time), greedy and seeded, and the hit-rate gauge shows the reuse.
+    The system prompt fills more than one KV block (128 tokens on V1's CPU backend): only full blocks are
+    cached. return_perf_metrics says so per request: no cached tokens the first time, whole blocks after,
+    and the engine's timings in order within the client's."""
     system = "system: you are terse; answer in plain words, count like 1 2 3 when asked. " * 8 + "user: "
+    cached: list[tuple[int, int]] = []
     for question in ("hello world", "the quick brown fox"):
         for sampling in (GREEDY, SEEDED):
             runs = [
-                grpc_generate(v1_server.grpc_url, V1, prompt=system + question, sampling=sampling, stream=True)
-                for _ in range(2)
+                grpc_generate(
+                    v1_server.grpc_url,
+                    V1,
+                    prompt=system + question,
+                    sampling=sampling,
+                    stream=stream,
+                    return_perf_metrics=True,
+                )
+                for stream in (True, False)
             ]
             assert all(run.error is None for run in runs), [run.error for run in runs]
             assert runs[0].token_ids() == runs[1].token_ids() and len(runs[0].token_ids()) == TOKENS
+            cached.append(tuple(run.perf_metrics()["num_cached_tokens"] for run in runs))
+    first, *again = [count for pair in cached for count in pair]
+    assert first == 0, cached  # the first time: nothing of it cached
+    assert all(count >= 128 and count % 128 == 0 for count in again), cached
     hit_rate = "vllm:gpu_prefix_cache_hit_rate"
     assert wait_for(lambda: (metric(scrape(v1_server), hit_rate, V1) or 0) > 0, 30), metric(
         scrape(v1_server), hit_rate, V1
@@ -413,7 +427,9 @@ def test_unloading_a_v1_model_lets_its_streams_in_flight_finish_then_ends_its_en
     end of this module: it takes llm_v1_lora down."""
     (engine,) = engine_processes(v1_server, V1_LORA, v1=True)
     core = vllm_core_processes(engine)
-    long = {**GREEDY, "max_tokens": 200}
+    # 1,000 tokens (the model's length is 1,024): still streaming when the unload comes, even on a fast
+    # host (with 200, one stream once ended before it, and the log counted fewer in flight).
+    long = {**GREEDY, "max_tokens": 1000}
     streaming = {name: threading.Event() for name in ("base", "doll")}
     results: list[Any] = []
 
@@ -438,7 +454,7 @@ def test_unloading_a_v1_model_lets_its_streams_in_flight_finish_then_ends_its_en
         client.unload_model(V1_LORA)
     for thread in threads:
         thread.join(120)
-    assert [(r.error, r.finals, len(r.token_ids())) for r in results] == [(None, 1, 200)] * 2
+    assert [(r.error, r.finals, len(r.token_ids())) for r in results] == [(None, 1, 1000)] * 2
     log = v1_server.log_path.read_text(errors="replace")
     assert "with 2 request(s) in flight: new requests are refused" in log
     assert "every request in flight finished while draining" in log

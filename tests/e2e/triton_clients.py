@@ -25,7 +25,9 @@ BOOL_FLAGS = (
     "return_logprobs",
     "return_num_input_tokens",
     "return_num_output_tokens",
+    "return_perf_metrics",
 )
+PERF_METRICS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
 
 
 @dataclass
@@ -37,6 +39,9 @@ class StreamResult:
     error: str | None = None
     first_response_at: float | None = None
     started_at: float = 0.0
+    # Wall-clock nanoseconds just before the request was sent and just after its FINAL arrived.
+    sent_ns: int = 0
+    final_ns: int = 0
 
     @property
     def data_responses(self) -> list[dict[str, np.ndarray]]:
@@ -47,6 +52,18 @@ class StreamResult:
 
     def token_ids(self) -> list[int]:
         return [int(t) for r in self.data_responses for t in r["output_ids"]]
+
+    def perf_metrics(self) -> dict[str, int]:
+        """return_perf_metrics' outputs, checked to come on the FINAL response only and to be in order
+        within this client's own clock readings around the request (the server shares the host)."""
+        carrying = [i for i, r in enumerate(self.responses) if "arrival_time_ns" in r]
+        assert carrying == [len(self.responses) - 1], f"perf metrics in responses {carrying} of {len(self.responses)}"
+        final = self.responses[-1]
+        values = {name: int(final[name][0]) for name in (*PERF_METRICS, "num_cached_tokens")}
+        assert final["arrival_time_ns"].dtype == np.int64 and final["num_cached_tokens"].dtype == np.uint32
+        times = [values[name] for name in PERF_METRICS]
+        assert self.sent_ns <= times[0] <= times[1] <= times[2] <= times[3] <= self.final_ns, (self.sent_ns, times)
+        return values
 
 
 def make_inputs(
@@ -108,6 +125,7 @@ def grpc_generate(
     ended = False
     try:
         requested = None if outputs is None else [grpcclient.InferRequestedOutput(name) for name in outputs]
+        result.sent_ns = time.time_ns()
         client.async_stream_infer(
             model, inputs, outputs=requested, enable_empty_final_response=True, parameters=parameters
         )
@@ -134,6 +152,7 @@ def grpc_generate(
             if on_response is not None:
                 on_response()
             if item.get_response().parameters["triton_final_response"].bool_param:
+                result.final_ns = result.final_ns or time.time_ns()
                 result.finals += 1
                 ended = True
             if cancel_after is not None and len(result.responses) >= cancel_after and not ended:

@@ -27,6 +27,7 @@ from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.engine.cpu_attention import ipex_available
 from triton_vllm_multistep.engine.factory import EngineBuildError, build_engine
 from triton_vllm_multistep.engine.loop import driver_model
+from triton_vllm_multistep.engine.outputs import plain_output
 from triton_vllm_multistep.engine.prefix_cache import prefix_cache_hit_rate
 
 pytestmark = pytest.mark.skipif(not ipex_available(), reason="prefix caching on CPU needs IPEX (scripts/setup.sh)")
@@ -108,6 +109,9 @@ class Run:
     # (request, logical block) pairs a prefill reused although the block's K/V slots hold other tokens
     stale_blocks: set[tuple[str, int]] = field(default_factory=set)
     free_blocks_after: int = 0
+    # Per request, the prompt tokens its latest prefill with a cache hit took from the cache, as the
+    # scheduler handed them to the model runner (computed blocks x block size).
+    cached_tokens: dict[str, int] = field(default_factory=dict)
 
 
 def _drive(engine: Any, run: Run, arrivals: list[tuple[int, Request]]) -> None:
@@ -177,6 +181,7 @@ class SlotAudit:
                 self.written[slot] = (token, position)
 
     def check(self, metadata: Any) -> None:
+        self.run.cached_tokens[metadata.request_id] = len(metadata.computed_block_nums) * BLOCK_SIZE
         computed = set(metadata.computed_block_nums)
         for seq_id, data in metadata.seq_data.items():
             tokens = data.get_token_ids()
@@ -319,6 +324,31 @@ def test_prefix_cache_is_hit_and_saves_prefill(runs: dict[tuple[int, bool], Run]
     assert with_cache.hit_rate_mixed > 0.3
     # Same number of generated tokens, fewer prompt tokens through the model.
     assert with_cache.forward_tokens < without.forward_tokens
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_a_finished_requests_timings_and_cached_tokens_are_the_engines_own(
+    runs: dict[tuple[int, bool], Run], config: tuple[int, bool]
+) -> None:
+    """return_perf_metrics' values (engine/outputs.request_times): vLLM's RequestMetrics, in order, and
+    the prompt tokens each prefill took from the cache as the scheduler handed them over (vLLM 0.8.5's
+    CPU runner never recorded them: engine/prefix_cache.count_cached_prompt_tokens_on_cpu)."""
+    run = runs[config]
+    for request_id, final in run.finals.items():
+        times = plain_output(final).times
+        metrics = final.metrics
+        assert times is not None and times[:4] == (
+            metrics.arrival_time,
+            metrics.first_scheduled_time,
+            metrics.first_token_time,
+            metrics.last_token_time,
+        ), request_id
+        assert times.arrival_time <= times.first_scheduled_time <= times.first_token_time <= times.last_token_time
+        assert times.num_cached_tokens == run.cached_tokens.get(request_id, 0), request_id
+    if config[1]:
+        assert plain_output(run.finals["late-same-prompt"]).times.num_cached_tokens >= BLOCK_SIZE
+    else:
+        assert not run.cached_tokens
 
 
 @pytest.mark.parametrize("config", CONFIGS)

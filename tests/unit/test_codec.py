@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from triton_vllm_multistep.engine.events import Completion, EngineOutput, TokenLogprob
+from triton_vllm_multistep import interface
+from triton_vllm_multistep.engine.events import Completion, EngineOutput, RequestTimes, TokenLogprob
 from triton_vllm_multistep.settings import Limits
 from triton_vllm_multistep.stub import codec
 
@@ -330,6 +331,27 @@ def test_response_arrays_hold_one_element_per_completion() -> None:
     assert arrays["logprobs"][1] == b"null"
     later = codec.encode_response(_output(completions), generation, first=False)
     assert later["text_output"].tolist() == [b" world", b"!"]  # only the first response has the prompt
+
+
+def test_perf_metrics_come_on_the_final_response_only_as_the_engine_timed_them() -> None:
+    generation = request(sampling({}, stream=boolean(True), return_perf_metrics=boolean(True)))
+    completions = [Completion(0, "ab", [1, 2], None, None)]
+    assert set(codec.encode_response(_output(completions), generation, first=True)) == {"text_output", "output_ids"}
+    times = RequestTimes(1_700_000_000.25, 1_700_000_000.5, 1_700_000_001.0, None, num_cached_tokens=128)
+    final = EngineOutput("r", completions, True, None, None, times)
+    arrays = codec.encode_response(final, generation, first=False)
+    assert arrays["arrival_time_ns"].dtype == np.int64
+    nanoseconds = [arrays[name][0] for name in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns")]
+    assert nanoseconds == [round(seconds * 1e9) for seconds in times[:3]]
+    assert arrays["first_token_time_ns"][0] // 1_000_000 == 1_700_000_001_000  # milliseconds exact
+    assert arrays["last_token_time_ns"].tolist() == [-1]  # the engine has none
+    assert arrays["num_cached_tokens"].dtype == np.uint32 and arrays["num_cached_tokens"].tolist() == [128]
+    untimed = codec.encode_response(EngineOutput("r", completions, True), generation, first=False)
+    assert [untimed[name].tolist() for name in interface.PERF_METRICS_OUTPUTS] == [[-1]] * 4 + [[0]]
+    generation.outputs = frozenset({"text_output", "num_cached_tokens"})
+    assert set(codec.encode_response(final, generation, first=False)) == {"text_output", "num_cached_tokens"}
+    not_asked = request(sampling({}, stream=boolean(True)))
+    assert set(codec.encode_response(final, not_asked, first=False)) == {"text_output", "output_ids"}
 
 
 def test_optional_outputs_are_sent_only_when_asked() -> None:

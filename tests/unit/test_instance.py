@@ -52,8 +52,15 @@ def test_auto_complete_adds_what_is_missing_and_keeps_what_is_there() -> None:
         "num_output_tokens",
         "window_ids",
         "window_offsets",
+        "arrival_time_ns",
+        "first_scheduled_time_ns",
+        "first_token_time_ns",
+        "last_token_time_ns",
+        "num_cached_tokens",
     }
     assert outputs["window_offsets"]["dims"] == [3]
+    assert outputs["first_token_time_ns"]["data_type"] == "TYPE_INT64"
+    assert outputs["num_cached_tokens"]["data_type"] == "TYPE_UINT32"
     assert completed["max_batch_size"] == 0
     assert completed["model_transaction_policy"] == {"decoupled": True}
 

@@ -90,6 +90,18 @@ class Completion(NamedTuple):
     stop_reason: int | str | None = None
 
 
+class RequestTimes(NamedTuple):
+    """One finished request's timings and prefix-cache use, as its engine kept them (vLLM's
+    RequestMetrics on V0; RequestStateStats on V1, its engine core's monotonic stamps moved to the
+    wall clock): seconds since the Unix epoch (time.time()), None where the engine has none."""
+
+    arrival_time: float | None
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's num_cached_tokens)
+
+
 class EngineOutput(NamedTuple):
     """One request's output of one engine step (vLLM's RequestOutput, as the plain values the stub uses).
 
@@ -104,6 +116,8 @@ class EngineOutput(NamedTuple):
     prompt_tokens: int | None = None
     # time.time() of the request's first token (vLLM's RequestMetrics), once there is one.
     first_token_time: float | None = None
+    # The request's timings and cache use: in its finished output only (None in the others).
+    times: RequestTimes | None = None
 
 
 @dataclass(frozen=True)

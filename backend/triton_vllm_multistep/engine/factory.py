@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Mapping
+from typing import Any
 
 os.environ.setdefault("VLLM_USE_V1", "0")
 
@@ -20,7 +21,7 @@ from vllm.engine.llm_engine import LLMEngine
 # EngineBuildError is defined with the boundary types (an engine process's build failure crosses as itself).
 from triton_vllm_multistep.engine.events import STREAM_MODES, EngineBuildError, StreamMode
 from triton_vllm_multistep.engine.multimodal import multi_step_refusal, prefix_caching_refusal
-from triton_vllm_multistep.engine.prefix_cache import count_cached_tokens_afresh
+from triton_vllm_multistep.engine.prefix_cache import count_cached_prompt_tokens_on_cpu, count_cached_tokens_afresh
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,15 @@ def serving_torch_threads(
     return cores - 1
 
 
+def driver_model_runner(engine: LLMEngine) -> Any:
+    """The model runner of the in-process (driver) worker (the base one under vLLM's GPU
+    MultiStepModelRunner), or None if it cannot be found."""
+    worker = getattr(getattr(engine, "model_executor", None), "driver_worker", None)
+    worker = getattr(worker, "worker", worker)
+    runner = getattr(worker, "model_runner", None)
+    return getattr(runner, "_base_model_runner", runner)
+
+
 def build_engine(engine_args: EngineArgs, *, stream_mode: StreamMode = "step") -> LLMEngine:
     """Build the engine for `engine_args`, honouring `num_scheduler_steps` on every platform.
 
@@ -176,6 +186,8 @@ def build_engine(engine_args: EngineArgs, *, stream_mode: StreamMode = "step") -
         )
     for scheduler in engine.scheduler:
         count_cached_tokens_afresh(scheduler)
+    if current_platform.is_cpu() and engine.cache_config.enable_prefix_caching:
+        count_cached_prompt_tokens_on_cpu(driver_model_runner(engine))
     if current_platform.is_cpu() and engine.lora_config is not None:
         from triton_vllm_multistep.engine.cpu_lora import correct_base_rows
 

@@ -34,7 +34,7 @@ from triton_vllm_multistep.engine.events import (
     StepOutputs,
     StreamMode,
 )
-from triton_vllm_multistep.engine.factory import build_engine, serving_torch_threads
+from triton_vllm_multistep.engine.factory import build_engine, driver_model_runner, serving_torch_threads
 from triton_vllm_multistep.engine.multimodal import images_per_prompt
 from triton_vllm_multistep.engine.outputs import plain_outputs
 from triton_vllm_multistep.engine.prefix_cache import prefix_cache_hit_rate
@@ -45,11 +45,7 @@ logger = logging.getLogger(__name__)
 
 def driver_model(engine: LLMEngine):
     """The torch module the in-process (driver) worker runs, or None if it cannot be found."""
-    worker = getattr(getattr(engine, "model_executor", None), "driver_worker", None)
-    worker = getattr(worker, "worker", worker)
-    runner = getattr(worker, "model_runner", None)
-    runner = getattr(runner, "_base_model_runner", runner)  # vLLM's MultiStepModelRunner (GPU)
-    model = getattr(runner, "model", None)
+    model = getattr(driver_model_runner(engine), "model", None)
     return model if hasattr(model, "register_forward_hook") else None
 
 

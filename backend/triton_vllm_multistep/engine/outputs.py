@@ -2,8 +2,8 @@
 
 Owns the one conversion the engine loop applies to every step's outputs before its sink sees them
 (engine/events.py says what the stub reads: per completion the new ids, text, logprobs, finish and
-stop reason, cumulative logprob; per request whether it finished, its prompt's length and its first
-token's time); must not drop or reorder anything the stub reads.
+stop reason, cumulative logprob; per request whether it finished, its prompt's length, its first
+token's time and, once finished, its timings and cache use); must not drop or reorder anything the stub reads.
 
 Copies what vLLM may still change: with the cumulative output kind a CompletionOutput's logprobs
 are the sequence's own list, which later steps extend. Runs for every output of every step (the
@@ -12,10 +12,11 @@ engine thread's time), so it builds tuples and copies lists, nothing more.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
-from triton_vllm_multistep.engine.events import Completion, EngineOutput, TokenLogprob
+from triton_vllm_multistep.engine.events import Completion, EngineOutput, RequestTimes, TokenLogprob
 
 
 def plain_logprobs(logprobs: Iterable[dict[int, Any]]) -> list[dict[int, TokenLogprob]]:
@@ -46,6 +47,7 @@ def plain_output(output: Any) -> EngineOutput:
         output.finished,
         None if prompt is None else len(prompt),
         None if metrics is None else first_token_time(metrics),
+        request_times(output) if output.finished else None,
     )
 
 
@@ -56,6 +58,38 @@ def first_token_time(metrics: Any) -> float | None:
         return metrics.first_token_time
     latency = getattr(metrics, "first_token_latency", 0.0)
     return metrics.arrival_time + latency if latency else None
+
+
+def request_times(output: Any) -> RequestTimes | None:
+    """A finished request's timings as its engine kept them (None without metrics: V1 with stats off).
+
+    V0's RequestMetrics are wall-clock already. V1 keeps the arrival on the wall clock and the rest as
+    its engine core's time.monotonic() stamps (0 where unset); CLOCK_MONOTONIC is one clock for every
+    process of the host, so each stamp moves to the wall clock by the offset between the two now."""
+    metrics = output.metrics
+    if metrics is None:
+        return None
+    cached = getattr(output, "num_cached_tokens", None) or 0
+    if hasattr(metrics, "first_scheduled_time"):  # V0
+        return RequestTimes(
+            metrics.arrival_time,
+            metrics.first_scheduled_time,
+            metrics.first_token_time,
+            metrics.last_token_time if metrics.first_token_time is not None else None,
+            cached,
+        )
+    offset = time.time() - time.monotonic()
+
+    def wall(stamp: float) -> float | None:
+        return stamp + offset if stamp else None
+
+    return RequestTimes(
+        metrics.arrival_time or None,
+        wall(metrics.scheduled_ts),
+        wall(metrics.first_token_ts),
+        wall(metrics.last_token_ts),
+        cached,
+    )
 
 
 def plain_outputs(outputs: Iterable[Any]) -> list[EngineOutput]:

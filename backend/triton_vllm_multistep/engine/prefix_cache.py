@@ -54,3 +54,26 @@ def count_cached_tokens_afresh(scheduler: Any) -> bool:
 
     scheduler._schedule_prefills = schedule_prefills_with_fresh_counts
     return True
+
+
+def count_cached_prompt_tokens_on_cpu(model_runner: Any) -> bool:
+    """Make vLLM's CPU model runner record each prefill's prefix-cache hit in the sequence's data,
+    as its GPU model runner does (vllm/worker/model_runner.py: `update_num_cached_tokens(
+    len(computed_block_nums) * block_size)` for a prompt with computed blocks): vLLM 0.8.5's CPU input
+    builder skips the cached blocks' prefill but never records them, so every RequestOutput's
+    `num_cached_tokens` (return_perf_metrics) read 0 on CPU. Returns whether it was installed (a
+    runner with vLLM's CPU input builder)."""
+    builder = getattr(model_runner, "builder", None)
+    compute = getattr(builder, "_compute_prompt_input_tokens", None)
+    if compute is None:
+        return False
+    block_size = model_runner.block_size
+
+    def compute_and_count(data: Any, seq_group_metadata: Any, seq_data: Any, seq_id: int) -> Any:
+        computed = seq_group_metadata.computed_block_nums
+        if computed:
+            seq_data.update_num_cached_tokens(len(computed) * block_size)
+        return compute(data, seq_group_metadata, seq_data, seq_id)
+
+    builder._compute_prompt_input_tokens = compute_and_count
+    return True

@@ -23,6 +23,7 @@ from triton_vllm_multistep.engine.events import (
     EMPTY_PROMPT_MESSAGE,
     EngineOutput,
     EngineRequest,
+    RequestTimes,
     TokenLogprob,
     prompt_limit,
     prompt_too_long_message,
@@ -32,6 +33,8 @@ from triton_vllm_multistep.interface import (
     IMAGE_INPUT,
     LORA_NAME_FIELD,
     LORA_OFF_MESSAGE,
+    NUM_CACHED_TOKENS,
+    PERF_TIME_OUTPUTS,
     RETURN_FLAGS,
     STREAM_WITH_PROMPT_MESSAGE,
 )
@@ -181,6 +184,7 @@ class ReturnFlags:
     num_input_tokens: bool = False
     num_output_tokens: bool = False
     detokenization_window: bool = False  # window_ids + window_offsets, for postprocessing
+    perf_metrics: bool = False  # the timings and num_cached_tokens, on the FINAL response
 
 
 @dataclass
@@ -623,6 +627,8 @@ def encode_response(
         arrays["num_input_tokens"] = np.array([request.prompt_tokens], dtype=np.uint32)
     if returns.num_output_tokens and request.wants("num_output_tokens"):
         arrays["num_output_tokens"] = np.array([len(c.token_ids) for c in completions], dtype=np.uint32)
+    if returns.perf_metrics and output.finished:
+        arrays.update(_perf_metrics(output.times, request))
     if request.context_ids is not None and window_decode is not None:
         # The context grows with every output even when this response carries no window.
         completion = completions[0]
@@ -637,6 +643,19 @@ def encode_response(
             )
             arrays["window_ids"] = np.array(window.ids, dtype=np.int32)
             arrays["window_offsets"] = np.array([window.context, window.start, window.end], dtype=np.int32)
+    return arrays
+
+
+def _perf_metrics(times: RequestTimes | None, request: GenerationRequest) -> dict[str, np.ndarray]:
+    """return_perf_metrics' outputs for a finished request: its engine's timings in Unix-epoch
+    nanoseconds (-1 where the engine has none) and its prompt tokens found in the prefix cache."""
+    arrays: dict[str, np.ndarray] = {}
+    seconds = (None,) * len(PERF_TIME_OUTPUTS) if times is None else times[: len(PERF_TIME_OUTPUTS)]
+    for name, value in zip(PERF_TIME_OUTPUTS, seconds, strict=True):
+        if request.wants(name):
+            arrays[name] = np.array([-1 if value is None else round(value * 1e9)], dtype=np.int64)
+    if request.wants(NUM_CACHED_TOKENS):
+        arrays[NUM_CACHED_TOKENS] = np.array([0 if times is None else times.num_cached_tokens], dtype=np.uint32)
     return arrays
 
 

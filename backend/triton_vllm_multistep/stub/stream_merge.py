@@ -29,6 +29,7 @@ def merge_deltas(earlier: EngineOutput, later: EngineOutput) -> EngineOutput:
         # A delta carries the prompt's length only in a request's first output; the merge keeps it.
         later.prompt_tokens if later.prompt_tokens is not None else earlier.prompt_tokens,
         later.first_token_time,
+        later.times,
     )
 
 
