@@ -341,8 +341,14 @@ def test_a_finished_requests_timings_and_cached_tokens_are_the_engines_own(
             metrics.arrival_time,
             metrics.first_scheduled_time,
             metrics.first_token_time,
-            metrics.last_token_time,
+            # Without a first token vLLM's last token time is still the arrival's: none.
+            metrics.last_token_time if metrics.first_token_time is not None else None,
         ), request_id
+        if len(final.outputs) > 1:
+            # vLLM 0.8.5 runs n > 1 as n requests and never updates the assembled one's metrics:
+            # it has no timings to give past the arrival (sent as -1, docs/interface.md).
+            assert times[1:4] == (None, None, None), request_id
+            continue
         assert times.arrival_time <= times.first_scheduled_time <= times.first_token_time <= times.last_token_time
         assert times.num_cached_tokens == run.cached_tokens.get(request_id, 0), request_id
     if config[1]:

@@ -23,6 +23,7 @@ from triton_vllm_multistep.engine.events import (
     EngineRequest,
     KvCacheStats,
     RequestFailed,
+    RequestTimes,
     StepOutputs,
     TokenLogprob,
 )
@@ -105,7 +106,12 @@ def _messages() -> list[Any]:
         StepOutputs(
             [
                 EngineOutput("req-1", [completion, Completion(0, "", [])], False, 12, 1700000000.25),
-                EngineOutput("req-2", [Completion(0, "!", [9], finish_reason="length")], True),
+                EngineOutput(
+                    "req-2",
+                    [Completion(0, "!", [9], finish_reason="length")],
+                    True,
+                    times=RequestTimes(1700000000.25, 1700000000.5, None, None, 32),
+                ),
             ],
             0.004,
             finished_at=123.5,
