@@ -10,8 +10,11 @@ import contextlib
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import requests
@@ -26,6 +29,7 @@ __all__ = [
     "REPO_ROOT",
     "SHIPPED_MODEL",
     "copy_pipeline_stages",
+    "labels_of",
     "make_repository",
     "metric",
     "model_ready",
@@ -34,6 +38,7 @@ __all__ = [
     "scrape",
     "stub_processes",
     "wait_for",
+    "watch_as_a_router",
 ]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_MODEL = REPO_ROOT / "model_repository" / "vllm_model"
@@ -70,6 +75,86 @@ def metric(text: str, name: str, model: str, **labels: str) -> float | None:
         if found.get("model") == model and all(found.get(k) == v for k, v in labels.items()):
             return float(match.group(2))
     return None
+
+
+def labels_of(text: str, name: str, model: str) -> dict[str, str] | None:
+    """The labels of the first series of `name` for `model` (an info gauge's), or None."""
+    for match in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", text, re.M):
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+        if found.get("model") == model:
+            return found
+    return None
+
+
+ROUTER_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
+# Request-level series the gateway's routers and Triton's vLLM backend PR 92 read, as deltas.
+ROUTER_COUNTS = (
+    "vllm:num_preemptions_total",
+    "vllm:iteration_tokens_total_count",
+    "vllm:iteration_tokens_total_sum",
+    "vllm:request_queue_time_seconds_count",
+    "vllm:request_inference_time_seconds_count",
+    "vllm:request_prefill_time_seconds_count",
+    "vllm:request_decode_time_seconds_count",
+    "vllm:request_decode_time_seconds_sum",
+)
+
+
+@dataclass
+class RouterView:
+    """What a router scraping the metrics endpoint saw while `run` ran: each gauge's highest value,
+    and each count's change from before to after (once the engine was idle again)."""
+
+    highest: dict[str, float]
+    change: dict[str, float]
+    cache_config: dict[str, str]
+    result: Any
+
+
+def watch_as_a_router(server: ServerProcess, model: str, run: Callable[[], Any], interval: float = 0.05) -> RouterView:
+    """Scrape `model`'s router metrics every `interval` s while `run()` runs, as the Kubernetes gateway
+    inference extension's model-server protocol reads them (Prometheus text, by name and model)."""
+
+    def counts() -> dict[str, float]:
+        text = scrape(server)
+        return {name: metric(text, name, model) or 0.0 for name in ROUTER_COUNTS}
+
+    before = counts()
+    highest = dict.fromkeys(ROUTER_GAUGES, 0.0)
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            text = scrape(server)
+            for name in ROUTER_GAUGES:
+                highest[name] = max(highest[name], metric(text, name, model) or 0.0)
+            done.wait(interval)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        result = run()
+    finally:
+        done.set()
+        poller.join(10)
+
+    def idle() -> bool:
+        text = scrape(server)
+        return not metric(text, "vllm:num_requests_running", model) and not metric(
+            text, "vllm:num_requests_waiting", model
+        )
+
+    assert wait_for(idle, 30), "the engine did not go idle"
+    after: dict[str, float] = {}
+
+    def settled() -> bool:  # flushed every 0.25 s: two scrapes that agree
+        nonlocal after
+        previous, after = after, counts()
+        return previous == after
+
+    assert wait_for(settled, 30, interval=0.6)
+    info = labels_of(scrape(server), "vllm:cache_config_info", model) or {}
+    return RouterView(highest, {name: after[name] - before[name] for name in ROUTER_COUNTS}, info, result)
 
 
 def stub_processes(server: ServerProcess) -> list[psutil.Process]:

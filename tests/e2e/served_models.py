@@ -21,6 +21,8 @@ LLM_VARIANTS = {
     "vllm_model_spm": {"model": "demo://tiny-llama-spm"},
     "vllm_model_steps1": {"num_scheduler_steps": 1},
     "vllm_model_window": {},  # per-window streaming, set in its config below
+    # 24 KV blocks: a few streams fill it, the rest queue, growing ones are preempted (router metrics).
+    "vllm_model_small_cache": {"max_model_len": 256, "num_gpu_blocks_override": 24},
 }
 TOKENIZER_MODELS = {"bytelevel": LLM_MODEL, "metaspace": "vllm_model_spm"}
 ENSEMBLES = {"bytelevel": "ensemble", "metaspace": "ensemble_spm"}

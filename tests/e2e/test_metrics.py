@@ -10,7 +10,7 @@ import asyncio
 import time
 
 import tritonclient.grpc.aio as grpcaio
-from private_servers import metric, scrape, wait_for
+from private_servers import metric, scrape, wait_for, watch_as_a_router
 from served_models import LLM_MODEL
 from triton_clients import aio_generate
 
@@ -186,3 +186,38 @@ def test_request_counters_and_histograms_count_exactly_what_was_served(server) -
     assert after["vllm:kv_cache_usage_perc"] == 0
     assert after["vllm_multistep:response_queue_steps"] == 0
     assert after["vllm_multistep:kv_cache_free_blocks"] == after["vllm_multistep:kv_cache_total_blocks"] > 0
+
+
+SMALL_CACHE = "vllm_model_small_cache"
+
+
+def test_a_router_sees_the_batch_fill_queue_and_preempt_with_vllms_metrics(server) -> None:
+    """The Kubernetes gateway inference extension's model-server protocol, read while eight streams
+    overfill a 24-block KV cache: requests running and waiting, the KV cache's use, the cache config's
+    block size and block count; after: the preemptions, one observation per request of each phase
+    (queue, inference, prefill, decode: Triton's vLLM backend PR 92's names), and the tokens per step."""
+    streams, prompt, tokens = 8, 20, 100
+
+    async def run_all() -> list:
+        async with grpcaio.InferenceServerClient(server.grpc_url) as client:
+            sampling = {"temperature": 0, "max_tokens": tokens, "ignore_eos": True}
+            jobs = [
+                aio_generate(client, SMALL_CACHE, input_ids=prompt_ids(prompt, 200 + i), sampling=sampling, stream=True)
+                for i in range(streams)
+            ]
+            return await asyncio.gather(*jobs)
+
+    view = watch_as_a_router(server, SMALL_CACHE, lambda: asyncio.run(run_all()))
+    assert [(r.error, len(r.token_ids())) for r in view.result] == [(None, tokens)] * streams
+    assert view.cache_config["num_gpu_blocks"] == "24" and int(view.cache_config["block_size"]) > 0, view.cache_config
+    assert view.highest["vllm:num_requests_running"] >= 2, view.highest
+    assert view.highest["vllm:num_requests_waiting"] >= 1, view.highest
+    assert view.highest["vllm:kv_cache_usage_perc"] > 0.5, view.highest
+    change = view.change
+    assert change["vllm:num_preemptions_total"] > 0, change
+    for phase in ("queue", "inference", "prefill", "decode"):
+        assert change[f"vllm:request_{phase}_time_seconds_count"] == streams, (phase, change)
+    assert change["vllm:request_decode_time_seconds_sum"] > 0
+    assert change["vllm:iteration_tokens_total_count"] > 0
+    # Every prompt and generated token went through the model at least once (preemption recomputes).
+    assert change["vllm:iteration_tokens_total_sum"] >= streams * (prompt + tokens), change

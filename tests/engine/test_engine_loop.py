@@ -9,6 +9,7 @@ import os
 import threading
 import time
 import types
+from typing import Any
 
 os.environ["VLLM_USE_V1"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -16,6 +17,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import pytest
 import torch
 from vllm import EngineArgs
+from vllm.engine.metrics_types import StatLoggerBase
 
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.engine.events import EngineDied, EngineRequest
@@ -25,7 +27,9 @@ from triton_vllm_multistep.engine.loop import EngineLoop, RequestFailed, StepOut
 
 def _args(steps: int = 4, **kwargs) -> EngineArgs:
     path = str(demo_models.build("tiny-llama-bpe"))
-    return EngineArgs(model=path, dtype="float32", max_model_len=256, num_scheduler_steps=steps, **kwargs)
+    return EngineArgs(
+        **{"model": path, "dtype": "float32", "max_model_len": 256, "num_scheduler_steps": steps, **kwargs}
+    )
 
 
 def test_the_engine_is_built_and_stepped_in_the_engine_thread_with_its_torch_threads() -> None:
@@ -237,3 +241,67 @@ def _finished(events: list[object], request_id: str) -> bool:
     return any(
         o.request_id == request_id and o.finished for e in list(events) if isinstance(e, StepOutputs) for o in e.outputs
     )
+
+
+class _VllmIterationLog(StatLoggerBase):
+    """vLLM V0's own per-step figures, as its stat loggers get them."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.preemptions = 0
+
+    def log(self, stats: Any) -> None:
+        if stats.num_tokens_iter:
+            self.tokens.append(stats.num_tokens_iter)
+        self.preemptions += stats.num_preemption_iter
+
+    def info(self, type: str, obj: Any) -> None:
+        pass
+
+
+def _iterations(
+    steps: int, requests: int, max_tokens: int, blocks: int
+) -> tuple[list[int], int, _VllmIterationLog, int]:
+    """(iteration_tokens of each timed step, their preemptions, vLLM's own log, the scheduler's count)."""
+    events: list[object] = []
+    loop = EngineLoop(
+        lambda: build_engine(
+            _args(steps, max_model_len=128, num_gpu_blocks_override=blocks, block_size=16, seed=0), stream_mode="step"
+        )
+    )
+    engine = loop.start_engine()
+    vllm_log = _VllmIterationLog()
+    engine.add_logger("test", vllm_log)
+    loop.serve(events.append, time_steps=True)
+    try:
+        for i in range(requests):
+            sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "output_kind": "FINAL_ONLY"}
+            loop.submit(EngineRequest(f"r{i}", (1, 5, 9, 12, 3, 4 + i), sampling))
+        deadline = time.monotonic() + 120
+        while not all(_finished(events, f"r{i}") for i in range(requests)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(_finished(events, f"r{i}") for i in range(requests))
+        steps_out = [e for e in list(events) if isinstance(e, StepOutputs)]
+        tokens = [e.iteration_tokens for e in steps_out if e.iteration_tokens is not None]
+        preempted = sum(e.preemptions for e in steps_out)
+        return tokens, preempted, vllm_log, engine.scheduler[0].num_cumulative_preemption
+    finally:
+        loop.stop()
+
+
+def test_iteration_tokens_and_preemptions_are_vllms_own_at_steps_1_and_add_up_alike_at_steps_8() -> None:
+    """vllm:iteration_tokens_total's samples and vllm:num_preemptions_total's count (StepOutputs): at
+    steps 1 each step's tokens are vLLM V0's own num_tokens_iter; a multi-step window counts each of
+    its decode steps (vLLM V0 would log one figure per window, and lose some) and so adds up to the
+    same tokens as steps 1; preemptions are the scheduler's, every one (non-streamed requests too)."""
+    ours, preempted, vllm_log, scheduler_count = _iterations(1, requests=4, max_tokens=60, blocks=12)
+    assert ours == vllm_log.tokens
+    assert preempted == scheduler_count == vllm_log.preemptions > 0
+    eight, preempted_at_8, _, scheduler_count_at_8 = _iterations(8, requests=4, max_tokens=60, blocks=12)
+    assert preempted_at_8 == scheduler_count_at_8 > 0
+    assert len(eight) > len(ours) / 2  # per decode step, not per window
+    # Without preemption (no recompute) both put the same tokens through the model.
+    calm_one, none_one, _, _ = _iterations(1, requests=3, max_tokens=20, blocks=64)
+    calm_eight, none_eight, _, _ = _iterations(8, requests=3, max_tokens=20, blocks=64)
+    assert none_one == none_eight == 0
+    assert sum(calm_eight) == sum(calm_one) == 3 * (6 + 20)

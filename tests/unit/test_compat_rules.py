@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from triton_vllm_multistep.engine import engine_args as vllm_args
-from triton_vllm_multistep.engine.events import Completion, EngineOutput, KvCacheStats, StepOutputs
+from triton_vllm_multistep.engine.events import Completion, EngineOutput, KvCacheStats, RequestTimes, StepOutputs
 from triton_vllm_multistep.settings import backend, parameters
 from triton_vllm_multistep.stub import codec
 from triton_vllm_multistep.stub.metrics import BackendMetrics, RequestTiming
@@ -429,3 +429,34 @@ def test_lora_requests_info_has_vllms_labels_one_series_per_adapter_set_valued_w
     plain.update_engine_state(state)
     plain.flush()
     assert not [key for key in without_lora.series if key[0] == "vllm:lora_requests_info"]
+
+
+def test_the_router_metrics_have_vllms_names_and_meanings() -> None:
+    """What the gateway inference extension's routers and Triton's vLLM backend's PR 92 read: the
+    request phases from the engine's own timings of each finished request, tokens per engine step,
+    preemptions, and the cache config as labels of a gauge at 1 (two instances: still 1)."""
+    pb = FakePbUtils()
+    cache_config = (("block_size", "16"), ("num_gpu_blocks", "12"), ("_private", "x"))
+    metrics = BackendMetrics(pb, "m", "1", max_model_len=1024, instances=2, cache_config=cache_config)
+    BackendMetrics(pb, "m", "1", max_model_len=1024, instances=2, cache_config=cache_config)
+    timing = RequestTiming(arrival=100.0, prompt_tokens=6, stream=True)
+    times = RequestTimes(100.0, 100.5, 101.25, 104.0, 0)
+    metrics.on_response(timing, [(0, 1)], False, now=101.3)
+    metrics.on_response(timing, [(0, 3)], True, now=104.1, times=times)
+    untimed = RequestTiming(arrival=100.0, prompt_tokens=6, stream=False, n=2)  # V0's n > 1: not timed
+    metrics.on_response(untimed, [(0, 2), (1, 2)], True, now=104.1, times=RequestTimes(100.0, None, None, None))
+    for tokens, preempted in ((28, 0), (4, 1), (None, 0), (3, 2)):
+        metrics.on_step(StepOutputs([], 0.001, iteration_tokens=tokens, preemptions=preempted), 0.0)
+    metrics.flush()
+    phases = {
+        name: pb.observations(f"vllm:request_{name}_time_seconds")
+        for name in ("queue", "inference", "prefill", "decode")
+    }
+    assert phases == {"queue": [0.5], "inference": [3.5], "prefill": [0.75], "decode": [2.75]}
+    assert pb.value("vllm:iteration_tokens_total_count") == 3 and pb.value("vllm:iteration_tokens_total_sum") == 35
+    assert pb.value("vllm:iteration_tokens_total_bucket", le="1") == 0
+    assert pb.value("vllm:iteration_tokens_total_bucket", le="8") == 2
+    assert pb.value("vllm:iteration_tokens_total_bucket", le="+Inf") == 3
+    assert pb.value("vllm:num_preemptions_total") == 3
+    assert pb.value("vllm:cache_config_info", block_size="16", num_gpu_blocks="12") == pytest.approx(1.0)
+    assert not [key for key in pb.series if key[0] == "vllm:cache_config_info" and "_private" in dict(key[1])]

@@ -139,6 +139,10 @@ class StepOutputs:
     new_window: bool = False
     # Finished best_of requests: request id → (tokens, sequences) of candidates not returned.
     unreturned: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # vllm:iteration_tokens_total's sample: the tokens this step put through the model, prompt tokens
+    # prefilled plus one per sequence decoded (None: not known); and requests it preempted.
+    iteration_tokens: int | None = None
+    preemptions: int = 0
 
 
 @dataclass(frozen=True)
@@ -186,6 +190,8 @@ class EngineFacts:
     max_loras: int = 0  # LoRA adapters a batch may hold (vLLM's max_loras); 0: LoRA off
     images_per_prompt: int = 0  # vLLM's limit_mm_per_prompt for images; 0: the model takes none
     async_scheduling: bool = False  # V1 schedules the next step while this one runs
+    # vLLM's CacheConfig.metrics_info() (field → text): the labels of vllm:cache_config_info.
+    cache_config: tuple[tuple[str, str], ...] = ()
 
 
 EngineEvent = StepOutputs | RequestFailed | EngineDied

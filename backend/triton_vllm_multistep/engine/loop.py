@@ -69,7 +69,23 @@ def engine_facts(engine: LLMEngine) -> EngineFacts:
         num_scheduler_steps=steps,
         attention_kernels=attention_kernels(),
         max_loras=engine.lora_config.max_loras if engine.lora_config else 0,
+        cache_config=tuple(engine.cache_config.metrics_info().items()),
     )
+
+
+def window_tokens(scheduled: Any) -> tuple[int, int]:
+    """Tokens through the model in the first step of a scheduling window, and in each further step
+    (vLLM V0's num_tokens_iter at steps 1: prompt tokens prefilled plus one per sequence producing a
+    token; a multi-step window's further steps decode every sequence of its batch). Read right after
+    the window's first step, when a prefill that completed is no longer `is_prefill()`."""
+    groups = scheduled.scheduled_seq_groups
+    prefills = scheduled.num_prefill_groups
+    prompt = sum(group.token_chunk_size for group in groups[:prefills])
+    producing = sum(
+        g.seq_group.num_seqs() for i, g in enumerate(groups) if i >= prefills or not g.seq_group.is_prefill()
+    )
+    decoding = sum(group.seq_group.num_seqs() for group in groups)
+    return prompt + producing, decoding
 
 
 def model_parameters(engine: LLMEngine) -> int | None:
@@ -160,6 +176,8 @@ class EngineLoop:
         self._clock: ForwardClock | None = None
         self._time_steps = False
         self._last_schedule: object = None
+        self._window_step_tokens = 0  # tokens of each step after the first in the current window
+        self._preemptions = 0  # the schedulers' preemptions so far
         self._state_interval = 0.25
         self._state_reported_at = 0.0
         self._aborts: deque[str] = deque()
@@ -441,6 +459,13 @@ class EngineLoop:
         scheduled = self.engine.scheduler_contexts[0].scheduler_outputs
         new_window = scheduled is not self._last_schedule and scheduled is not None and not scheduled.is_empty()
         self._last_schedule = scheduled
+        iteration_tokens = None
+        if new_window:
+            iteration_tokens, self._window_step_tokens = window_tokens(scheduled)
+        elif scheduled is not None and not scheduled.is_empty():
+            iteration_tokens = self._window_step_tokens
+        preemptions = sum(s.num_cumulative_preemption for s in self.engine.scheduler)
+        preempted, self._preemptions = preemptions - self._preemptions, preemptions
         return StepOutputs(
             plain_outputs(outputs),
             seconds,
@@ -448,6 +473,8 @@ class EngineLoop:
             forward_end=forward_end,
             new_window=new_window,
             unreturned=unreturned,
+            iteration_tokens=iteration_tokens,
+            preemptions=preempted,
         )
 
 

@@ -128,6 +128,7 @@ def engine_facts(engine: Any) -> EngineFacts:
         max_loras=lora_config.max_loras if lora_config else 0,
         images_per_prompt=0,
         async_scheduling=bool(engine.vllm_config.scheduler_config.async_scheduling),
+        cache_config=tuple(engine.vllm_config.cache_config.metrics_info().items()),
     )
 
 
@@ -250,8 +251,17 @@ class EngineThread:
             if output.finished:
                 self.in_flight.discard(output.request_id)
         serve = self.serve
+        iteration_tokens, preemptions = self.recorder.take_iteration()
         if outputs or (serve is not None and serve.time_steps):
-            self.send(StepOutputs(outputs, time.perf_counter() - started, forward_seconds=None))
+            self.send(
+                StepOutputs(
+                    outputs,
+                    time.perf_counter() - started,
+                    forward_seconds=None,
+                    iteration_tokens=iteration_tokens,
+                    preemptions=preemptions,
+                )
+            )
 
     def _report_state(self) -> None:
         serve = self.serve

@@ -1,8 +1,9 @@
 """The V1 engine's scheduler statistics, kept as they arrive, read as engine/events.KvCacheStats.
 
 Owns the stat logger the V1 engine is built with (vLLM calls it after each step with its
-SchedulerStats: running and waiting requests, the KV cache's usage, prefix-cache queries and hits)
-and turning the latest into the block counts the stub's metrics publish.
+SchedulerStats: running and waiting requests, the KV cache's usage, prefix-cache queries and hits;
+and its IterationStats: tokens through the model, preemptions) and turning them into what the
+stub's metrics publish (KvCacheStats; a step's iteration tokens and preemptions).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ class SchedulerStatsLogger:
         self._stats: Any = None
         self._queries = 0
         self._hits = 0
+        self._iteration_tokens: int | None = None
+        self._preemptions = 0
 
     @classmethod
     def factory(cls) -> Any:
@@ -37,6 +40,8 @@ class SchedulerStatsLogger:
             def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
                 if scheduler_stats is not None:
                     latest.record(scheduler_stats)
+                if iteration_stats is not None:
+                    latest.record_iteration(iteration_stats)
 
             def log_engine_initialized(self) -> None:
                 pass
@@ -51,6 +56,23 @@ class SchedulerStatsLogger:
             if prefix is not None:
                 self._queries += int(getattr(prefix, "queries", 0))
                 self._hits += int(getattr(prefix, "hits", 0))
+
+    def record_iteration(self, iteration_stats: Any) -> None:
+        """One step's IterationStats, as vLLM 0.32's Prometheus logger reads them: the tokens through the
+        model (prompt tokens computed, not those from the cache, plus those generated) and the
+        requests preempted. Called in the engine thread's `step()`."""
+        prompt = getattr(iteration_stats, "prompt_token_stats", None)
+        computed = prompt.computed if prompt is not None else iteration_stats.num_prompt_tokens
+        with self._lock:
+            self._iteration_tokens = (self._iteration_tokens or 0) + computed + iteration_stats.num_generation_tokens
+            self._preemptions += iteration_stats.num_preempted_reqs
+
+    def take_iteration(self) -> tuple[int | None, int]:
+        """The iteration tokens and preemptions recorded since the last call (None: no step recorded)."""
+        with self._lock:
+            taken = self._iteration_tokens, self._preemptions
+            self._iteration_tokens, self._preemptions = None, 0
+        return taken
 
     def kv_cache_stats(self, total_blocks: int, running_fallback: int = 0) -> KvCacheStats:
         with self._lock:

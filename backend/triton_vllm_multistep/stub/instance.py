@@ -289,6 +289,7 @@ class ModelServer:
                 instances=self.model_settings.instance_count(gpu_count()),
                 caller=self.caller,
                 max_loras=self.loop.facts.max_loras,
+                cache_config=self.loop.facts.cache_config,
             )
         self.heartbeat = self._start_heartbeat(args)
         from triton_vllm_multistep.stub.restarts import RestartCount

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from triton_vllm_multistep.engine.events import KvCacheStats, StepOutputs
+from triton_vllm_multistep.engine.events import KvCacheStats, RequestTimes, StepOutputs
 from triton_vllm_multistep.stub.triton_io import TritonCaller
 
 FLUSH_SECONDS = 0.25
@@ -47,6 +47,12 @@ PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]
 TOKENS_PER_RESPONSE_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
 # Per-step host times: tens of µs (idle host) to hundreds of ms (an overloaded one).
 STEP_SECONDS_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
+# vLLM's own (0.8.5's engine/metrics.py; V1 keeps them): tokens per engine step, and the request phases.
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+REQUEST_LATENCY_BUCKETS = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
+]  # fmt: skip
 
 
 def build_1_2_5_buckets(maximum: int) -> list[float]:
@@ -153,6 +159,7 @@ class BackendMetrics:
         instances: int = 1,
         caller: TritonCaller | None = None,
         max_loras: int = 0,
+        cache_config: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self._caller = caller or TritonCaller()
         self.instances = instances
@@ -233,6 +240,28 @@ class BackendMetrics:
             "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets
         )
         self._params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", PARAMS_N_BUCKETS)
+        # The request's phases (vLLM's names and meanings), from the engine's own timings of it
+        # (engine/events.RequestTimes): waiting = arrival → first scheduled, running = first scheduled
+        # → last token, prefill = first scheduled → first token, decode = first token → last token.
+        self._phases = [
+            histogram(name, description, REQUEST_LATENCY_BUCKETS)
+            for name, description in (
+                ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request."),
+                ("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request."),
+                ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request."),
+                ("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request."),
+            )
+        ]
+        self._iteration_tokens = batched(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS
+        )
+        self._preemptions = counter("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.")
+        # vLLM's CacheConfig as labels of a gauge at 1 (routers read block_size and num_gpu_blocks).
+        info_labels = {key: value for key, value in cache_config if not key.startswith("_")}
+        info_family = family("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", kinds.GAUGE)
+        self._cache_config_info = _SummedGauge(
+            info_family.Metric(labels={**info_labels, **labels}), weight=1.0 / max(1, instances)
+        )
         # What only a multi-step backend can show.
         self._windows = counter(
             "vllm_multistep:scheduling_windows_total", "Scheduling rounds (multi-step windows) the engine ran"
@@ -260,6 +289,7 @@ class BackendMetrics:
         self._lora_labels = {**labels, "max_lora": str(max_loras)}
         self._lora_series: dict[tuple[str, str], Any] = {}
         self._alive.set(1)
+        self._cache_config_info.set(1)
         self._idle_unflushed = False
         # Accumulators: responder thread only, except `_engine_state` (one reference, swapped whole).
         self._engine_state: KvCacheStats | None = None
@@ -267,7 +297,8 @@ class BackendMetrics:
         self._prompt_pending = 0
         self._generation_pending = 0
         self._windows_pending = 0
-        self._finished: list[tuple[RequestTiming, float]] = []
+        self._finished: list[tuple[RequestTiming, float, RequestTimes | None]] = []
+        self._preemptions_pending = 0
         self._flushed_at = 0.0
         self._gauges = (
             self._running,
@@ -278,6 +309,7 @@ class BackendMetrics:
             self._total,
             self._alive,
             self._response_queue,
+            self._cache_config_info,
         )
         self._flush_lock = threading.Lock()  # the responder flushes; close() flushes once more
 
@@ -296,13 +328,14 @@ class BackendMetrics:
         now: float,
         engine_first_token: float | None = None,
         unreturned: tuple[int, int] = (0, 0),
+        times: RequestTimes | None = None,
     ) -> None:
         """A response carrying new tokens, as (completion index, count) pairs, is about to go to a client.
 
         `engine_first_token` (time.time()) is the engine's own first-token time, for responses
         that are not streamed and so arrive only once everything is generated. `unreturned` is
         (tokens, sequences) of best_of candidates the engine generated and did not return; vLLM
-        counts them as generated tokens.
+        counts them as generated tokens. `times`: the engine's timings of a finished request.
         """
         if timing.first_token_at is None:
             tokens_per_completion = [(index, count) for index, count in tokens_per_completion if count]
@@ -338,12 +371,15 @@ class BackendMetrics:
             if timing.stream:
                 self._tokens_per_response.observe(tokens)
         if finished:
-            self._finished.append((timing, now))
+            self._finished.append((timing, now, times))
 
     def on_step(self, event: StepOutputs, sent_at: float) -> None:
         """One engine step's outputs were all handed to Triton at `sent_at` (perf_counter)."""
         if event.new_window:
             self._windows_pending += 1
+        if event.iteration_tokens is not None:
+            self._iteration_tokens.observe(event.iteration_tokens)
+        self._preemptions_pending += event.preemptions
         # Forward-pass times are measured on CPU hosts only (None on GPU): both series stay empty there.
         if event.forward_end is not None and event.outputs:
             self._lag.observe(max(0.0, sent_at - event.forward_end))
@@ -418,15 +454,24 @@ class BackendMetrics:
         if self._windows_pending:
             self._windows.increment(self._windows_pending)
             self._windows_pending = 0
+        if self._preemptions_pending:
+            self._preemptions.increment(self._preemptions_pending)
+            self._preemptions_pending = 0
         finished, self._finished = self._finished, []
-        for timing, ended in finished:
+        for timing, ended, times in finished:
+            if times is not None and None not in times[:4]:
+                arrival, scheduled, first, last = times[:4]
+                for histogram, seconds in zip(
+                    self._phases, (scheduled - arrival, last - scheduled, first - scheduled, last - first), strict=True
+                ):
+                    histogram.observe(max(0.0, seconds))
             self._e2e.observe(max(0.0, ended - timing.arrival))
             self._request_prompt.observe(timing.prompt_tokens)
             self._request_generation.observe(timing.generated)
             self._params_n.observe(timing.n)
             if timing.first_token_at is not None:
                 self._ttft.observe(max(0.0, timing.first_token_at - timing.arrival))
-        for histogram in (self._tpot, self._tokens_per_response, self._lag, self._overhead):
+        for histogram in (self._tpot, self._tokens_per_response, self._lag, self._overhead, self._iteration_tokens):
             histogram.flush()
         if self.response_queue_depth is not None and (depth := self.response_queue_depth()) != self._flushed_depth:
             self._flushed_depth = depth

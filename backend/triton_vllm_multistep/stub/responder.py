@@ -512,6 +512,7 @@ class Responder:
                 now,
                 engine_first,
                 event.unreturned.get(output.request_id, (0, 0)) if finished and event is not None else (0, 0),
+                output.times,
             )
             finals = finals or finished
         if finals:
