@@ -39,6 +39,7 @@ from private_servers import (
     scrape,
     serving,
     wait_for,
+    watch_as_a_router,
 )
 from served_models import TINY_ENGINE
 from triton_clients import grpc_generate
@@ -73,6 +74,7 @@ STRUCTURED_PROMPT, STRUCTURED_SAMPLING = "Answer:", {"temperature": 0.0, "max_to
 V1_LORA = "llm_v1_lora"
 V1_BIASED_LORA = "llm_v1_biased_lora"  # multi_lora.json names an adapter with a bias
 V1_IMAGES = "llm_v1_images"  # the tiny LLaVA demo model on V1
+V1_SMALL_CACHE = "llm_v1_small_cache"
 V1_LORA_ENGINE = {**V1_ENGINE, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
 LORA_NAMES = ("doll", "sheep")  # multi_lora.json's order: lora_int_id 1, 2
 SHIPPED_MODEL = REPO_ROOT / "model_repository" / "vllm_model"
@@ -128,6 +130,9 @@ def v1_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) 
     (repository / V1_BIASED_LORA / "1" / "multi_lora.json").write_text(json.dumps({"biased": "adapters/biased"}))
     copy_model(SHIPPED_MODEL, repository / V1_IMAGES, {**TINY_ENGINE, **V1_ENGINE, "model": "demo://tiny-llava"},
                {"vllm_engine": "v1"})  # fmt: skip
+    # Four 128-token KV blocks: eight streams overfill it (the router metrics' test loads it).
+    small_cache = {**V1_ENGINE, "max_model_len": 512, "num_gpu_blocks_override": 4}
+    copy_model(SHIPPED_MODEL, repository / V1_SMALL_CACHE, {**TINY_ENGINE, **small_cache}, {"vllm_engine": "v1"})
     loaded = (V1, SMOLLM3, README_MODEL, V1_LORA)
     args = ("--model-control-mode=explicit", *(f"--load-model={m}" for m in loaded))
     with serving(repository, root / "tritonserver.log", *args) as server:
@@ -419,6 +424,43 @@ def test_prefix_caching_on_v1_reuses_a_shared_prompt_and_gives_the_same_tokens(v
     assert wait_for(lambda: (metric(scrape(v1_server), hit_rate, V1) or 0) > 0, 30), metric(
         scrape(v1_server), hit_rate, V1
     )
+
+
+def test_a_router_sees_a_v1_models_batch_fill_queue_and_preempt_with_vllms_metrics(v1_server: ServerProcess) -> None:
+    """The gateway inference extension's view of a V1 model whose four KV blocks eight streams overfill
+    (tests/e2e/test_metrics.py has the multi-step engine's): running, waiting, the KV cache's use, the
+    cache config; after: V1's own preemption and per-step token counts, each request's four phases."""
+    streams, tokens = 8, 200
+    with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
+        client.load_model(V1_SMALL_CACHE)
+    try:
+        sampling = {**GREEDY, "max_tokens": tokens}
+
+        def run() -> list:
+            with ThreadPoolExecutor(streams) as pool:
+                jobs = [
+                    pool.submit(
+                        grpc_generate, v1_server.grpc_url, V1_SMALL_CACHE, input_ids=[1, 5, 9 + i], sampling=sampling,
+                        stream=True,
+                    )
+                    for i in range(streams)
+                ]  # fmt: skip
+                return [job.result() for job in jobs]
+
+        view = watch_as_a_router(v1_server, V1_SMALL_CACHE, run)
+    finally:
+        with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
+            client.unload_model(V1_SMALL_CACHE)
+    assert [(r.error, len(r.token_ids())) for r in view.result] == [(None, tokens)] * streams
+    assert view.cache_config["num_gpu_blocks"] == "4" and view.cache_config["block_size"] == "128", view.cache_config
+    assert view.highest["vllm:num_requests_running"] >= 2, view.highest
+    assert view.highest["vllm:num_requests_waiting"] >= 1, view.highest
+    assert view.highest["vllm:kv_cache_usage_perc"] > 0.5, view.highest
+    change = view.change
+    assert change["vllm:num_preemptions_total"] > 0, change
+    for phase in ("queue", "inference", "prefill", "decode"):
+        assert change[f"vllm:request_{phase}_time_seconds_count"] == streams, (phase, change)
+    assert change["vllm:iteration_tokens_total_sum"] >= streams * (3 + tokens), change
 
 
 def test_unloading_a_v1_model_lets_its_streams_in_flight_finish_then_ends_its_engine(v1_server: ServerProcess) -> None:
