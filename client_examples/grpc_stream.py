@@ -6,6 +6,7 @@ python client_examples/grpc_stream.py "Is Paris in France?" --model ensemble --c
     --guided-decoding '{"choice": ["yes", "no"]}'
 python client_examples/grpc_stream.py "What is the capital of France?" --model ensemble --chat --lora-name pirate
 python client_examples/grpc_stream.py $'USER: <image>\nWhat is in the picture? ASSISTANT:' --image cat.png
+python client_examples/grpc_stream.py "The capital of France is" --perf-metrics
 """
 
 from __future__ import annotations
@@ -21,9 +22,16 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+PERF_TIMES = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+
 
 def build_inputs(
-    prompt: str, sampling: dict, stream: bool = True, chat: bool = False, images: list[bytes] | None = None
+    prompt: str,
+    sampling: dict,
+    stream: bool = True,
+    chat: bool = False,
+    images: list[bytes] | None = None,
+    perf_metrics: bool = False,
 ) -> list[grpcclient.InferInput]:
     """The request's inputs; `images` are image files' bytes, one per placeholder of the prompt."""
     if chat:  # one user message; the ensemble's preprocessing applies the model's chat template
@@ -42,7 +50,25 @@ def build_inputs(
         image = grpcclient.InferInput("image", [len(images)], "BYTES")
         image.set_data_from_numpy(np.array([base64.b64encode(data) for data in images], dtype=np.object_))
         inputs.append(image)
+    if perf_metrics:  # the LLM model's optional input (an ensemble would have to declare it)
+        flag = grpcclient.InferInput("return_perf_metrics", [1], "BOOL")
+        flag.set_data_from_numpy(np.array([True]))
+        inputs.append(flag)
     return inputs
+
+
+def perf_summary(result: grpcclient.InferResult) -> str:
+    """The FINAL response's return_perf_metrics outputs, as milliseconds after the request's arrival."""
+    arrival, scheduled, first, last = (int(result.as_numpy(name)[0]) for name in PERF_TIMES)
+    cached = int(result.as_numpy("num_cached_tokens")[0])
+
+    def after(stamp: int) -> str:
+        return "-" if stamp < 0 else f"{(stamp - arrival) / 1e6:.1f} ms"
+
+    return (
+        f"scheduled after {after(scheduled)}, first token after {after(first)}, last token after {after(last)}, "
+        f"{cached} prompt tokens from the prefix cache"
+    )
 
 
 def main() -> int:
@@ -65,6 +91,11 @@ def main() -> int:
     parser.add_argument(
         "--image", action="append", default=[], metavar="FILE", help="an image for the prompt's next placeholder"
     )
+    parser.add_argument(
+        "--perf-metrics",
+        action="store_true",
+        help="print the request's timings and prefix-cache use after the answer (return_perf_metrics)",
+    )
     args = parser.parse_args()
 
     responses: queue.Queue = queue.Queue()
@@ -76,7 +107,7 @@ def main() -> int:
     if args.lora_name:
         sampling["lora_name"] = args.lora_name
     images = [Path(path).read_bytes() for path in args.image]
-    inputs = build_inputs(args.prompt, sampling, chat=args.chat, images=images)
+    inputs = build_inputs(args.prompt, sampling, chat=args.chat, images=images, perf_metrics=args.perf_metrics)
     client.async_stream_infer(args.model, inputs, enable_empty_final_response=True)
     status = 0
     while True:
@@ -90,6 +121,8 @@ def main() -> int:
         if output is not None:
             print(output[0].decode("utf-8"), end="", flush=True)
         if response.parameters["triton_final_response"].bool_param:
+            if args.perf_metrics and result.as_numpy(PERF_TIMES[0]) is not None:
+                print(f"\n{perf_summary(result)}", end="")
             break
     print()
     client.stop_stream()

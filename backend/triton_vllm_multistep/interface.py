@@ -48,6 +48,11 @@ RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
 RETURN_DETOKENIZATION_WINDOW = "return_detokenization_window"  # ours: the ensemble's postprocessing asks
 # The request's timings and prefix-cache use on its FINAL response (TensorRT-LLM's backend's flag and names).
 RETURN_PERF_METRICS = "return_perf_metrics"
+# The request's scheduling priority (INT32 [1], default 0; lower is scheduled first, as in vLLM), with
+# model.json scheduling_policy "priority"; also a field of `sampling_parameters` (never the KServe
+# request parameter of that name: Triton's own scheduler's priority).
+PRIORITY = "priority"
+PRIORITY_FIELD = "priority"
 RETURN_FLAGS = (
     RETURN_FINISH_REASON,
     RETURN_CUMULATIVE_LOGPROB,
@@ -93,6 +98,7 @@ INPUTS = (
     # Declared as Triton's vLLM backend does (base64 images) so its clients' configs load; a
     # text-only model refuses it per request.
     Tensor(IMAGE_INPUT, "TYPE_STRING", (-1,)),
+    Tensor(PRIORITY, "TYPE_INT32", (1,)),
 )
 OUTPUTS = (
     Tensor(TEXT_OUTPUT, "TYPE_STRING", (-1,)),

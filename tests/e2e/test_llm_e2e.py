@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -279,3 +282,21 @@ def test_http_generate_and_generate_stream(server) -> None:
     assert "".join(e["text_output"] for e in events) == whole["text_output"]
     bad = http_generate(server.http_url, LLM_MODEL, {"text_input": "x", "parameters": {"max_tokens": -3}})[0]
     assert bad["_status"] == 400 and "max_tokens must be >= 1" in bad["error"]
+
+
+def test_the_client_example_prints_the_requests_timings_with_perf_metrics(server) -> None:
+    """client_examples/grpc_stream.py --perf-metrics, as the README shows it: the answer, then the
+    engine's timings of the request from its FINAL response (return_perf_metrics)."""
+    example = Path(__file__).resolve().parents[2] / "client_examples" / "grpc_stream.py"
+    command = [sys.executable, str(example), "hello", "--url", server.grpc_url, "--max-tokens", "8", "--perf-metrics"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    summary = done.stdout.strip().splitlines()[-1]
+    pattern = (
+        r"scheduled after ([\d.]+) ms, first token after ([\d.]+) ms, last token after ([\d.]+) ms, "
+        r"(\d+) prompt tokens from the prefix cache"
+    )
+    match = re.fullmatch(pattern, summary)
+    assert match is not None, done.stdout
+    scheduled, first, last = (float(match.group(i)) for i in (1, 2, 3))
+    assert 0 <= scheduled <= first <= last < 120_000 and match.group(4) == "0"

@@ -130,8 +130,8 @@ def v1_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) 
     (repository / V1_BIASED_LORA / "1" / "multi_lora.json").write_text(json.dumps({"biased": "adapters/biased"}))
     copy_model(SHIPPED_MODEL, repository / V1_IMAGES, {**TINY_ENGINE, **V1_ENGINE, "model": "demo://tiny-llava"},
                {"vllm_engine": "v1"})  # fmt: skip
-    # Four 128-token KV blocks: eight streams overfill it (the router metrics' test loads it).
-    small_cache = {**V1_ENGINE, "max_model_len": 512, "num_gpu_blocks_override": 4}
+    # Four 128-token KV blocks (three usable): eight streams overfill them (the router metrics' test loads it).
+    small_cache = {**V1_ENGINE, "max_model_len": 384, "num_gpu_blocks_override": 4}  # one block is V1's null block
     copy_model(SHIPPED_MODEL, repository / V1_SMALL_CACHE, {**TINY_ENGINE, **small_cache}, {"vllm_engine": "v1"})
     loaded = (V1, SMOLLM3, README_MODEL, V1_LORA)
     args = ("--model-control-mode=explicit", *(f"--load-model={m}" for m in loaded))

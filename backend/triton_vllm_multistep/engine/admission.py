@@ -57,6 +57,7 @@ class Admission:
     images: tuple[bytes, ...] = ()  # encoded image files for the prompt's placeholders, in order
     processed: Any = None  # vLLM's processed inputs of an image prompt (engine/multimodal.py)
     aborted: bool = False  # aborted before the engine thread admitted it: never admitted
+    priority: int = 0  # vLLM's request priority
 
 
 class Admissions:
@@ -95,6 +96,7 @@ class Admissions:
                 sampling_params(request.sampling),
                 lora_request(request.adapter),
                 tuple(request.images),
+                priority=request.priority,
             )
         except Exception as error:  # the stub checked the fields: another vLLM may still refuse them
             self._refuse(request.request_id, f"the engine cannot take this request: {type(error).__name__}: {error}")

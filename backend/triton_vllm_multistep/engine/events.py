@@ -44,6 +44,7 @@ class EngineRequest:
     # A text prompt the engine tokenizes itself (`prompt_token_ids` empty): a V1 model's, whose
     # tokenizer lives in the V1 environment only (engine_v1/process.py checks its length).
     prompt_text: str | None = None
+    priority: int = 0  # vLLM's request priority (lower first; only with scheduling_policy "priority")
 
 
 EMPTY_PROMPT_MESSAGE = "the prompt has no tokens: 'text_input' or 'input_ids' is empty"
@@ -190,6 +191,7 @@ class EngineFacts:
     max_loras: int = 0  # LoRA adapters a batch may hold (vLLM's max_loras); 0: LoRA off
     images_per_prompt: int = 0  # vLLM's limit_mm_per_prompt for images; 0: the model takes none
     async_scheduling: bool = False  # V1 schedules the next step while this one runs
+    scheduling_policy: str = "fcfs"  # vLLM's scheduler policy: "fcfs" or "priority"
     # vLLM's CacheConfig.metrics_info() (field → text): the labels of vllm:cache_config_info.
     cache_config: tuple[tuple[str, str], ...] = ()
 

@@ -69,6 +69,7 @@ def engine_facts(engine: LLMEngine) -> EngineFacts:
         num_scheduler_steps=steps,
         attention_kernels=attention_kernels(),
         max_loras=engine.lora_config.max_loras if engine.lora_config else 0,
+        scheduling_policy=str(engine.scheduler_config.policy),
         cache_config=tuple(engine.cache_config.metrics_info().items()),
     )
 
@@ -296,6 +297,7 @@ class EngineLoop:
                         arrival_time=time.time(),
                         lora_request=item.lora_request,
                         prompt_adapter_request=None,
+                        priority=item.priority,
                     )
                 else:
                     self.engine.add_request(
@@ -303,6 +305,7 @@ class EngineLoop:
                         TokensPrompt(prompt_token_ids=item.prompt_token_ids),
                         item.params,
                         lora_request=item.lora_request,
+                        priority=item.priority,
                     )
             except Exception as error:
                 # One request the engine refuses (vLLM raises ValueError, TypeError, ...) must not

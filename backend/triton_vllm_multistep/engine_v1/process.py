@@ -128,6 +128,7 @@ def engine_facts(engine: Any) -> EngineFacts:
         max_loras=lora_config.max_loras if lora_config else 0,
         images_per_prompt=0,
         async_scheduling=bool(engine.vllm_config.scheduler_config.async_scheduling),
+        scheduling_policy=str(engine.vllm_config.scheduler_config.policy),
         cache_config=tuple(engine.vllm_config.cache_config.metrics_info().items()),
     )
 
@@ -226,7 +227,7 @@ class EngineThread:
                     "images: not served on vllm_engine 'v1' by this backend yet; vllm_engine 'multistep' serves them"
                 )
             prompt = self._prompt(request)
-            self.engine.add_request(request.request_id, prompt, params, lora_request=lora)
+            self.engine.add_request(request.request_id, prompt, params, lora_request=lora, priority=request.priority)
         except Exception as error:  # this request alone: refused in vLLM's words (or the stub's)
             self.send(RequestFailed(request.request_id, str(error)))
             return

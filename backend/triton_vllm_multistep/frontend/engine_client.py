@@ -91,12 +91,10 @@ class TritonEngineClient(EngineClient):
             raise triton_requests.UnsupportedRequest(f"{', '.join(sorted(media))} input is not served (images are)")
         if prompt_adapter_request is not None:
             raise triton_requests.UnsupportedRequest("prompt adapters are not served")
-        if priority:
-            raise triton_requests.UnsupportedRequest("priority is not supported (first come, first served)")
         lora_name = self._adapters.get(lora_request.lora_name) if lora_request is not None else None
         prompt_ids = list(prompt["prompt_token_ids"])
         completions = sampling_params._real_n or sampling_params.n
-        return self._stream(request_id, prompt_ids, sampling_params, lora_name, images, completions)
+        return self._stream(request_id, prompt_ids, sampling_params, lora_name, images, completions, priority)
 
     async def _stream(
         self,
@@ -106,11 +104,12 @@ class TritonEngineClient(EngineClient):
         lora_name: str | None,
         images: list[Any],
         completions: int,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         # vLLM's chat code hands over decoded PIL images; the model's `image` input takes them
         # base64-encoded (PNG: lossless, so the model decodes the same pixels), encoded off the loop.
         encoded = await asyncio.to_thread(lambda: [encode_image(image) for image in images]) if images else []
-        request = triton_requests.triton_request(prompt_ids, params, lora_name, encoded)
+        request = triton_requests.triton_request(prompt_ids, params, lora_name, encoded, priority)
         inputs = []
         for name, array in request.inputs.items():
             tensor = InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))

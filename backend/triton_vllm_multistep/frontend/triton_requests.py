@@ -25,6 +25,7 @@ from triton_vllm_multistep.interface import (
     NUM_INPUT_TOKENS,
     NUM_OUTPUT_TOKENS,
     OUTPUT_IDS,
+    PRIORITY,
     RETURN_FINISH_REASON,
     RETURN_LOGPROBS,
     RETURN_NUM_INPUT_TOKENS,
@@ -102,10 +103,15 @@ def sampling_parameters(params: SamplingParams, lora_name: str | None = None) ->
 
 
 def triton_request(
-    prompt_token_ids: Sequence[int], params: SamplingParams, lora_name: str | None, images: Sequence[bytes] = ()
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    lora_name: str | None,
+    images: Sequence[bytes] = (),
+    priority: int = 0,
 ) -> TritonRequest:
     """The request for a tokenized prompt (and the base64 images its placeholders stand for, in
-    order): streamed (one response per step) when vLLM asks for deltas, one response otherwise."""
+    order): streamed (one response per step) when vLLM asks for deltas, one response otherwise;
+    vLLM's request `priority` as the model's `priority` input (the model checks it)."""
     stream = params.output_kind == RequestOutputKind.DELTA
     inputs = {
         INPUT_IDS: np.asarray(prompt_token_ids, dtype=np.int32),
@@ -120,6 +126,8 @@ def triton_request(
         # The model counts the prompt with its image tokens; vLLM's usage counts it so too.
         inputs[RETURN_NUM_INPUT_TOKENS] = np.array([True], dtype=bool)
         outputs = (*outputs, NUM_INPUT_TOKENS)
+    if priority:
+        inputs[PRIORITY] = np.array([priority], dtype=np.int32)
     if params.logprobs is not None:
         inputs[RETURN_LOGPROBS] = np.array([True], dtype=bool)
         outputs = (*outputs, LOGPROBS)

@@ -35,6 +35,8 @@ from triton_vllm_multistep.interface import (
     LORA_OFF_MESSAGE,
     NUM_CACHED_TOKENS,
     PERF_TIME_OUTPUTS,
+    PRIORITY,
+    PRIORITY_FIELD,
     RETURN_FLAGS,
     STREAM_WITH_PROMPT_MESSAGE,
 )
@@ -209,6 +211,7 @@ class GenerationRequest:
     engine_prompt_tokens: int | None = None
     # `sampling_params` as plain values (EngineRequest.sampling): vLLM field name → JSON value.
     sampling: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0  # vLLM's request priority (lower first)
 
     @property
     def prompt_tokens(self) -> int:
@@ -228,6 +231,7 @@ class ModelLimits:
     model_name: str = "this model"  # the engine's model, for errors about what it cannot take
     images_per_prompt: int = 0  # vLLM's limit_mm_per_prompt for images; 0: a text-only model
     adapters: tuple[Adapter, ...] | None = None  # multi_lora.json's, in its order; None: LoRA off
+    scheduling_policy: str = "fcfs"  # the engine's (model.json scheduling_policy): "priority" takes priorities
 
 
 def _payload_bytes(array: np.ndarray) -> int:
@@ -519,6 +523,7 @@ def decode_request(
     fields, source = sampling_fields(inputs, parameters_json)
     interval = _stream_interval(fields.pop(STREAM_INTERVAL_FIELD, None), source)
     adapter = adapter_for(fields.pop(LORA_NAME_FIELD, None), model.adapters, source)
+    priority = request_priority(inputs.get(PRIORITY), fields.pop(PRIORITY_FIELD, None), source, model)
     params, plain_sampling = sampling_params(fields, stream, model, source)
     if not exclude and prompt_text is None:
         if decode is None:
@@ -548,6 +553,7 @@ def decode_request(
         adapter=adapter,
         images=images,
         sampling=plain_sampling,
+        priority=priority,
     )
 
 
@@ -561,6 +567,7 @@ def engine_request(request: GenerationRequest, request_id: str) -> EngineRequest
         None if adapter is None else adapter.engine_value(),
         request.images,
         request.prompt_text if not request.prompt_token_ids else None,
+        request.priority,
     )
 
 
@@ -578,6 +585,39 @@ def adapter_for(lora_name: Any, adapters: Sequence[Adapter] | None, source: str)
             return adapter
     supported = [adapter.name for adapter in adapters]
     raise RequestError(f"LoRA {lora_name} is not supported, we currently support {supported}")
+
+
+INT32_RANGE = (-(2**31), 2**31 - 1)
+
+
+def request_priority(tensor: np.ndarray | None, field_value: Any, source: str, model: ModelLimits) -> int:
+    """The request's priority: the `priority` input (INT32), or the sampling field of that name (an
+    integer), 0 if neither; both given must agree. A non-zero priority needs the priority policy."""
+    given: dict[str, int] = {}
+    if tensor is not None:
+        if tensor.dtype.kind not in "iu":
+            raise RequestError(f"input '{PRIORITY}' must be INT32, got {tensor.dtype}")
+        given[f"input '{PRIORITY}'"] = int(_scalar(PRIORITY, tensor))
+    if field_value is not None:
+        if isinstance(field_value, str) and field_value.strip().lstrip("-").isdigit():
+            field_value = int(field_value)  # numbers as strings, as for the other integer fields
+        if not isinstance(field_value, int) or isinstance(field_value, bool):
+            raise RequestError(f"{source}.{PRIORITY_FIELD} must be an integer, got {_json_type(field_value)}")
+        given[f"{source}.{PRIORITY_FIELD}"] = field_value
+    if not given:
+        return 0
+    if len(set(given.values())) > 1:
+        (first, one), (second, other) = given.items()
+        raise RequestError(f"{first} ({one}) and {second} ({other}) disagree: give the priority once")
+    (where, priority), *_ = given.items()
+    if not INT32_RANGE[0] <= priority <= INT32_RANGE[1]:
+        raise RequestError(f"{where} must fit in INT32, got {priority}")
+    if priority and model.scheduling_policy != "priority":
+        raise RequestError(
+            f"{where} is {priority}, but this model schedules first come, first served: set model.json "
+            f"'scheduling_policy' to \"priority\" to use priorities (it is {model.scheduling_policy!r})"
+        )
+    return priority
 
 
 def _stream_interval(value: Any, source: str) -> int | None:

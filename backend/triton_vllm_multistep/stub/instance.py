@@ -273,6 +273,7 @@ class ModelServer:
             model_name=facts.model,
             images_per_prompt=facts.images_per_prompt,
             adapters=self.adapters,
+            scheduling_policy=facts.scheduling_policy,
         )
 
     def _start_observers(self, args: dict[str, str]) -> None:
