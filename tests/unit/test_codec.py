@@ -416,3 +416,44 @@ def test_without_a_tokenizer_token_ids_are_still_checked_here_and_what_needs_one
         engine_tokenized(window)
     with pytest.raises(codec.RequestError, match="'text_input' is empty"):
         engine_tokenized({"text_input": text("")})
+
+
+PRIORITY_MODEL = codec.ModelLimits(VOCAB, 64, scheduling_policy="priority")
+
+
+def test_a_priority_comes_from_its_input_or_the_sampling_field_and_reaches_the_engine() -> None:
+    as_input = request(sampling({}, priority=np.array([-3], dtype=np.int32)), model=PRIORITY_MODEL)
+    assert as_input.priority == -3 and codec.engine_request(as_input, "r").priority == -3
+    assert request(sampling({"priority": 7}), model=PRIORITY_MODEL).priority == 7
+    assert request(sampling({"priority": "7"}), model=PRIORITY_MODEL).priority == 7  # numbers as strings
+    both = request(sampling({"priority": 2}, priority=np.array([2], dtype=np.int32)), model=PRIORITY_MODEL)
+    assert both.priority == 2
+    assert request(sampling({}), model=PRIORITY_MODEL).priority == 0
+    # KServe's request parameter `priority` is Triton's own scheduler's: never read as the request's.
+    assert request({"text_input": text("hi")}, {"priority": 5}).priority == 0
+
+
+@pytest.mark.parametrize(
+    ("inputs", "model", "message"),
+    [
+        (
+            sampling({"priority": 1}, priority=np.array([2], dtype=np.int32)),
+            PRIORITY_MODEL,
+            r"input 'priority' \(2\) and sampling_parameters.priority \(1\) disagree",
+        ),
+        (
+            sampling({"priority": 4}),
+            MODEL,
+            r"sampling_parameters.priority is 4, but .* 'scheduling_policy' to \"priority\"",
+        ),
+        (sampling({}, priority=np.array([1], dtype=np.int32)), MODEL, r"input 'priority' is 1, but .*it is 'fcfs'"),
+        (sampling({"priority": True}), PRIORITY_MODEL, "priority must be an integer, got a boolean"),
+        (sampling({"priority": 1.5}), PRIORITY_MODEL, "priority must be an integer, got a number"),
+        (sampling({}, priority=np.array([1.0], dtype=np.float32)), PRIORITY_MODEL, "input 'priority' must be INT32"),
+        (sampling({}, priority=np.array([1, 2], dtype=np.int32)), PRIORITY_MODEL, "exactly one element"),
+        (sampling({"priority": 2**31}), PRIORITY_MODEL, "must fit in INT32"),
+    ],
+)
+def test_a_bad_or_unusable_priority_fails_naming_it(inputs: dict, model: codec.ModelLimits, message: str) -> None:
+    with pytest.raises(codec.RequestError, match=message):
+        request(inputs, model=model)

@@ -222,11 +222,26 @@ def _build_engine(engine_args: EngineArgs, stream_mode: StreamMode) -> LLMEngine
         # windows must hold decodes only, so say no unless the user asked (refused above).
         args.enable_chunked_prefill = False
     if steps == 1:
+        refuse_priority_with_chunked_prefill(args)
         return LLMEngine.from_engine_args(args)
     if not current_platform.is_cpu():
         # GPU hosts: vLLM's own MultiStepWorker, chosen by vLLM from num_scheduler_steps.
         return _build_gpu_multistep_engine(args)
     return _build_cpu_multistep_engine(args, stream_mode)
+
+
+def refuse_priority_with_chunked_prefill(engine_args: EngineArgs) -> None:
+    """vLLM 0.8.5's chunked-prefill scheduler ignores the priority policy (neither orders its waiting
+    queue by priority nor preempts for it): a model that asks for both is a load error naming both,
+    not priorities silently dropped. Multi-step windows never chunk prefills (turned off above)."""
+    if engine_args.scheduling_policy != "priority":
+        return
+    if engine_args.create_engine_config().scheduler_config.chunked_prefill_enabled:
+        raise EngineBuildError(
+            "model.json 'scheduling_policy' \"priority\" cannot be served with chunked prefill "
+            "('enable_chunked_prefill', which vLLM 0.8.5 also turns on by itself for long-context models): its "
+            "chunked-prefill scheduler ignores priorities; set 'enable_chunked_prefill': false"
+        )
 
 
 def gpu_multistep_config(engine_args: EngineArgs) -> VllmConfig:
