@@ -23,6 +23,8 @@ LLM_VARIANTS = {
     "vllm_model_window": {},  # per-window streaming, set in its config below
     # 24 KV blocks: a few streams fill it, the rest queue, growing ones are preempted (router metrics).
     "vllm_model_small_cache": {"max_model_len": 256, "num_gpu_blocks_override": 24},
+    # Priority scheduling, two sequences at most: a third, more urgent request preempts one.
+    "vllm_model_priority": {"scheduling_policy": "priority", "max_num_seqs": 2},
 }
 TOKENIZER_MODELS = {"bytelevel": LLM_MODEL, "metaspace": "vllm_model_spm"}
 ENSEMBLES = {"bytelevel": "ensemble", "metaspace": "ensemble_spm"}

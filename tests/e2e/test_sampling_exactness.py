@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import queue
 import re
+import threading
 from functools import partial
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import jsonschema
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from private_servers import metric, scrape, wait_for
 from references import (
     CHATS,
     PLAIN,
@@ -315,3 +317,63 @@ def test_structured_output_errors_name_the_field_and_fail_that_request_alone(ser
         assert result.finals == 1 and result.error is not None and message in result.error, (name, result.error)
     after = grpc_generate(server.grpc_url, LLM_MODEL, prompt="hi", sampling={"max_tokens": 4}, stream=True)
     assert after.error is None and after.finals == 1
+
+
+PRIORITY_MODEL = "vllm_model_priority"  # scheduling_policy "priority", max_num_seqs 2, steps 8
+
+
+def test_an_urgent_request_preempts_a_full_batch_and_every_answer_stays_exact(server: ServerProcess) -> None:
+    """model.json scheduling_policy "priority" on the multi-step engine: two long streams of priority
+    5 fill the batch (max_num_seqs 2); a request of priority 0 arriving then preempts one of them at
+    the next window's start, runs and finishes first. The urgent and the preempted answers, greedy
+    and seeded, are those each gets alone at steps 1 (the `priority` input and the sampling field)."""
+    long_requests = {
+        "greedy": ([1, 5, 9, 12], {"temperature": 0.0, "max_tokens": 160, "ignore_eos": True}),
+        "seeded": ([3, 4, 5], {"temperature": 0.8, "top_p": 0.9, "seed": 5, "max_tokens": 160, "ignore_eos": True}),
+    }
+    urgent_ids, urgent_sampling = [7, 8, 2, 2, 6], {"temperature": 0.7, "seed": 9, "max_tokens": 12, "priority": 0}
+    streaming = {name: threading.Event() for name in long_requests}
+    results: dict[str, StreamResult] = {}
+
+    def run_long(name: str) -> None:
+        ids, sampling = long_requests[name]
+        results[name] = grpc_generate(
+            server.grpc_url,
+            PRIORITY_MODEL,
+            input_ids=ids,
+            sampling=sampling,
+            stream=True,
+            on_response=streaming[name].set,
+            priority=5,
+            return_perf_metrics=True,
+        )
+
+    before = metric(scrape(server), "vllm:num_preemptions_total", PRIORITY_MODEL) or 0
+    threads = [threading.Thread(target=run_long, args=(name,)) for name in long_requests]
+    for thread in threads:
+        thread.start()
+    assert all(event.wait(60) for event in streaming.values())
+    urgent = grpc_generate(
+        server.grpc_url, PRIORITY_MODEL, input_ids=urgent_ids, sampling=urgent_sampling, stream=True,
+        return_perf_metrics=True,
+    )  # fmt: skip
+    for thread in threads:
+        thread.join(120)
+    assert urgent.error is None and all(r.error is None for r in results.values()), urgent.error
+    # Preempted for it: the urgent request finished while both long ones still ran.
+    assert urgent.final_ns < min(r.final_ns for r in results.values())
+    assert urgent.perf_metrics()["last_token_time_ns"] < min(
+        r.perf_metrics()["last_token_time_ns"] for r in results.values()
+    )
+    assert wait_for(lambda: (metric(scrape(server), "vllm:num_preemptions_total", PRIORITY_MODEL) or 0) > before, 10)
+    alone = {name: served(server, ids, sampling, STEPS1).token_ids() for name, (ids, sampling) in long_requests.items()}
+    assert {name: result.token_ids() for name, result in results.items()} == alone
+    urgent_alone = served(server, urgent_ids, {k: v for k, v in urgent_sampling.items() if k != "priority"}, STEPS1)
+    assert urgent.token_ids() == urgent_alone.token_ids() and len(urgent_alone.token_ids()) == 12
+
+
+def test_a_priority_on_a_first_come_first_served_model_fails_alone_naming_both_settings(server: ServerProcess) -> None:
+    result = grpc_generate(server.grpc_url, LLM_MODEL, input_ids=[1, 5], sampling={"max_tokens": 2}, priority=3)
+    assert result.error is not None and result.finals == 1
+    assert "input 'priority' is 3" in result.error and "'scheduling_policy'" in result.error, result.error
+    assert served(server, [1, 5], {"max_tokens": 2}).token_ids()

@@ -71,10 +71,15 @@ def make_inputs(
     prompt: str | None = None,
     input_ids: list[int] | None = None,
     sampling: dict | str | None = None,
+    priority: int | None = None,
     **flags: bool,
 ) -> list[Any]:
     """InferInputs for the LLM model; `module` is tritonclient.grpc or tritonclient.grpc.aio."""
     inputs = []
+    if priority is not None:
+        item = module.InferInput("priority", [1], "INT32")
+        item.set_data_from_numpy(np.array([priority], dtype=np.int32))
+        inputs.append(item)
     if prompt is not None:
         item = module.InferInput("text_input", [1], "BYTES")
         item.set_data_from_numpy(np.array([prompt.encode("utf-8")], dtype=np.object_))
