@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -75,6 +76,7 @@ V1_LORA = "llm_v1_lora"
 V1_BIASED_LORA = "llm_v1_biased_lora"  # multi_lora.json names an adapter with a bias
 V1_IMAGES = "llm_v1_images"  # the tiny LLaVA demo model on V1
 V1_SMALL_CACHE = "llm_v1_small_cache"
+V1_PRIORITY = "llm_v1_priority"  # scheduling_policy "priority", one sequence at a time
 V1_LORA_ENGINE = {**V1_ENGINE, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
 LORA_NAMES = ("doll", "sheep")  # multi_lora.json's order: lora_int_id 1, 2
 SHIPPED_MODEL = REPO_ROOT / "model_repository" / "vllm_model"
@@ -133,6 +135,8 @@ def v1_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) 
     # Four 128-token KV blocks (three usable): eight streams overfill them (the router metrics' test loads it).
     small_cache = {**V1_ENGINE, "max_model_len": 384, "num_gpu_blocks_override": 4}  # one block is V1's null block
     copy_model(SHIPPED_MODEL, repository / V1_SMALL_CACHE, {**TINY_ENGINE, **small_cache}, {"vllm_engine": "v1"})
+    priority = {**V1_ENGINE, "scheduling_policy": "priority", "max_num_seqs": 1}
+    copy_model(SHIPPED_MODEL, repository / V1_PRIORITY, {**TINY_ENGINE, **priority}, {"vllm_engine": "v1"})
     loaded = (V1, SMOLLM3, README_MODEL, V1_LORA)
     args = ("--model-control-mode=explicit", *(f"--load-model={m}" for m in loaded))
     with serving(repository, root / "tritonserver.log", *args) as server:
@@ -461,6 +465,53 @@ def test_a_router_sees_a_v1_models_batch_fill_queue_and_preempt_with_vllms_metri
     for phase in ("queue", "inference", "prefill", "decode"):
         assert change[f"vllm:request_{phase}_time_seconds_count"] == streams, (phase, change)
     assert change["vllm:iteration_tokens_total_sum"] >= streams * (3 + tokens), change
+
+
+def test_a_v1_model_with_the_priority_policy_schedules_an_urgent_waiting_request_first(
+    v1_server: ServerProcess,
+) -> None:
+    """scheduling_policy "priority" on V1 (its meaning: the waiting queue in priority order): one
+    sequence at a time; while a long request runs, a request of priority 5 queues, then one of
+    priority 0: the urgent one is scheduled first. Each answer is the one llm_v1 gives alone."""
+    with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
+        client.load_model(V1_PRIORITY)
+    try:
+        running = threading.Event()
+        long: list[Any] = []
+        thread = threading.Thread(
+            target=lambda: long.append(
+                grpc_generate(
+                    v1_server.grpc_url, V1_PRIORITY, input_ids=[1, 5, 9], sampling={**GREEDY, "max_tokens": 900},
+                    stream=True, on_response=running.set, priority=5,
+                )
+            )
+        )  # fmt: skip
+        thread.start()
+        assert running.wait(60)
+        queued: dict[str, Any] = {}
+
+        def ask(name: str, priority: int, prompt: tuple[int, ...]) -> None:
+            sampling = {**SEEDED, "priority": priority}
+            queued[name] = grpc_generate(
+                v1_server.grpc_url, V1_PRIORITY, input_ids=list(prompt), sampling=sampling, return_perf_metrics=True
+            )
+
+        later = threading.Thread(target=ask, args=("later", 5, PROMPTS[1]))
+        later.start()
+        time.sleep(0.5)  # queued behind the long one before the urgent one arrives
+        ask("urgent", 0, PROMPTS[2])
+        later.join(120)
+        thread.join(120)
+    finally:
+        with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
+            client.unload_model(V1_PRIORITY)
+    assert long[0].error is None and all(r.error is None for r in queued.values()), [r.error for r in queued.values()]
+    urgent, later_one = queued["urgent"].perf_metrics(), queued["later"].perf_metrics()
+    assert urgent["arrival_time_ns"] > later_one["arrival_time_ns"]
+    assert urgent["first_scheduled_time_ns"] < later_one["first_scheduled_time_ns"]
+    for name, prompt in (("later", PROMPTS[1]), ("urgent", PROMPTS[2])):
+        alone = grpc_generate(v1_server.grpc_url, V1, input_ids=list(prompt), sampling=SEEDED)
+        assert queued[name].token_ids() == alone.token_ids() and len(alone.token_ids()) == TOKENS, name
 
 
 def test_unloading_a_v1_model_lets_its_streams_in_flight_finish_then_ends_its_engine(v1_server: ServerProcess) -> None:
