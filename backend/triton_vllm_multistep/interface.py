@@ -86,6 +86,9 @@ FIRST_TOKEN_TIME_NS = "first_token_time_ns"
 LAST_TOKEN_TIME_NS = "last_token_time_ns"
 PERF_TIME_OUTPUTS = (ARRIVAL_TIME_NS, FIRST_SCHEDULED_TIME_NS, FIRST_TOKEN_TIME_NS, LAST_TOKEN_TIME_NS)
 NUM_CACHED_TOKENS = "num_cached_tokens"
+# `prompt_logprobs` in sampling_parameters: the prompt's logprobs (JSON, as `logprobs`, null for the
+# first prompt token), on the request's first response.
+PROMPT_LOGPROBS = "prompt_logprobs"
 PERF_METRICS_OUTPUTS = (*PERF_TIME_OUTPUTS, NUM_CACHED_TOKENS)
 
 INPUTS = (
@@ -112,6 +115,7 @@ OUTPUTS = (
     Tensor(WINDOW_OFFSETS, "TYPE_INT32", (3,)),
     *(Tensor(name, "TYPE_INT64", (1,)) for name in PERF_TIME_OUTPUTS),
     Tensor(NUM_CACHED_TOKENS, "TYPE_UINT32", (1,)),
+    Tensor(PROMPT_LOGPROBS, "TYPE_STRING", (1,)),
 )
 INPUT_NAMES = tuple(tensor.name for tensor in INPUTS)
 OUTPUT_NAMES = tuple(tensor.name for tensor in OUTPUTS)

@@ -47,6 +47,8 @@ LORA_MAX_TOKENS = 24
 TINY_PROMPTS = ("Hello world, the model", "你好 世界 模型 🚀 café", "people write code", "a")
 TINY_MAX_TOKENS = 24
 TINY_GREEDY = {"temperature": 0, "max_tokens": TINY_MAX_TOKENS, "ignore_eos": True}
+# Prompt logprobs (test_sampling_exactness.py): the first tiny prompt's, its top 3 per position.
+TINY_PROMPT_LOGPROBS = {"temperature": 0, "max_tokens": 4, "ignore_eos": True, "prompt_logprobs": 3}
 
 # Triton's vLLM backend, ci/L0_backend_vllm/accuracy_test/accuracy_test.py (r25.01-r25.10):
 # GUIDED_PROMPTS, SAMPLING_PARAMETERS and the guided_decoding it adds, per branch
@@ -82,6 +84,9 @@ class References:
     tiny_offline: dict[str, list[tuple[list[int], str]]]  # demo model → offline vLLM (ids, text) per prompt
     tiny_hf_first: dict[str, list[int]]  # demo model → transformers greedy ids of TINY_PROMPTS[0]
     their_guided: dict[str, list[str]]  # branch → offline vLLM `prompt + answer` per THEIR_GUIDED_PROMPTS
+    # offline vLLM's prompt logprobs of TINY_PROMPTS[0] with TINY_PROMPT_LOGPROBS (tiny BPE model):
+    # per position {token id (text): logprob}, None for the first
+    tiny_prompt_logprobs: list[dict[str, float] | None]
 
 
 def cache_folder() -> Path:
@@ -140,7 +145,8 @@ def cached(kind: str, folders: list[Path], spec: dict, compute: Callable[[], obj
 
 def _offline_vllm(folder: Path, max_model_len: int, requests: list[dict]) -> list[list]:
     """One offline vLLM engine on `folder`, every request ({prompt | prompt_ids, sampling, guided}) in
-    one generate call: [(token ids, text)] per request."""
+    one generate call: [token ids, text, prompt logprobs ({token id: logprob} per position, or None)]
+    per request."""
     from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.sampling_params import GuidedDecodingParams
 
@@ -153,10 +159,19 @@ def _offline_vllm(folder: Path, max_model_len: int, requests: list[dict]) -> lis
             for r in requests
         ]  # fmt: skip
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        return [[list(o.outputs[0].token_ids), o.outputs[0].text] for o in outputs]
+        return [[list(o.outputs[0].token_ids), o.outputs[0].text, _prompt_logprobs(o)] for o in outputs]
     finally:
         del llm
         gc.collect()
+
+
+def _prompt_logprobs(output) -> list[dict[str, float] | None] | None:
+    if output.prompt_logprobs is None:
+        return None
+    return [
+        None if step is None else {str(token): lp.logprob for token, lp in step.items()}
+        for step in output.prompt_logprobs
+    ]
 
 
 def _hf_real(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
@@ -215,7 +230,7 @@ def _compute_all() -> References:
     real_ids = real_prompts(AutoTokenizer.from_pretrained(real))
     real_requests = [{"prompt_ids": ids, "sampling": REAL_GREEDY} for ids in real_ids]
     real_offline = cached("vllm", [real], {"max_model_len": 2048, "requests": real_requests},
-                          lambda: [ids for ids, _ in _offline_vllm(real, 2048, real_requests)])  # fmt: skip
+                          lambda: [ids for ids, *_ in _offline_vllm(real, 2048, real_requests)])  # fmt: skip
     real_hf = cached("transformers", [real], {"prompts": real_ids, "max_new_tokens": REAL_MAX_TOKENS},
                      lambda: _hf_real(real, real_ids))  # fmt: skip
 
@@ -228,11 +243,12 @@ def _compute_all() -> References:
         for adapter in LORA_ADAPTERS
     }  # fmt: skip
 
-    tiny_offline, tiny_hf_first, their_guided = {}, {}, {}
+    tiny_offline, tiny_hf_first, their_guided, tiny_prompt_logprobs = {}, {}, {}, []
     for name in (TINY_BPE, TINY_SPM):
         folder = demo_models.build(name).resolve()
         requests = [{"prompt": p, "sampling": TINY_GREEDY} for p in TINY_PROMPTS]
-        if name == TINY_BPE:  # their guided-decoding baseline rides in the same engine
+        if name == TINY_BPE:  # their guided-decoding baseline and prompt logprobs ride in the same engine
+            requests += [{"prompt": TINY_PROMPTS[0], "sampling": TINY_PROMPT_LOGPROBS}]
             requests += [
                 {"prompt": p, "sampling": THEIR_SAMPLING_PARAMETERS, "guided": guided}
                 for guided in THEIR_GUIDED_DECODING.values()
@@ -240,13 +256,16 @@ def _compute_all() -> References:
             ]
         outputs = cached("vllm", [folder], {"max_model_len": 1024, "requests": requests},
                          lambda folder=folder, requests=requests: _offline_vllm(folder, 1024, requests))  # fmt: skip
-        tiny_offline[name] = [(ids, text) for ids, text in outputs[: len(TINY_PROMPTS)]]
+        tiny_offline[name] = [(ids, text) for ids, text, *_ in outputs[: len(TINY_PROMPTS)]]
         if name == TINY_BPE:
             rest = iter(outputs[len(TINY_PROMPTS) :])
+            tiny_prompt_logprobs = next(rest)[2]
             for branch in THEIR_GUIDED_DECODING:
                 their_guided[branch] = [prompt + next(rest)[1] for prompt in THEIR_GUIDED_PROMPTS]
         tiny_hf_first[name] = cached(
             "transformers", [folder], {"prompt": TINY_PROMPTS[0], "tokens": TINY_MAX_TOKENS},
             lambda folder=folder: _hf_tiny(folder, TINY_PROMPTS[0], TINY_MAX_TOKENS),
         )  # fmt: skip
-    return References(real_offline, real_hf, lora_merged, tiny_offline, tiny_hf_first, their_guided)
+    return References(
+        real_offline, real_hf, lora_merged, tiny_offline, tiny_hf_first, their_guided, tiny_prompt_logprobs
+    )

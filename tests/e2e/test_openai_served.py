@@ -124,6 +124,32 @@ def test_completions_whole_and_streamed_with_stop_seed_n_and_logprobs_equal_step
     assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text.split(stop)[0]
 
 
+def test_echo_with_logprobs_and_prompt_logprobs_answer_as_vllm_with_the_models_prompt_logprobs(
+    client: openai.OpenAI, openai_server: tuple[ServerProcess, str], tokenizer: object
+) -> None:
+    """`echo` with `logprobs` (completions) and `prompt_logprobs` (chat, vLLM's field): vLLM's serving
+    code answers them from the model's `prompt_logprobs` output: the prompt's tokens and logprobs
+    first (None for the first token), whole and streamed, as the KServe path returns them."""
+    prompt, tokens = "The three primary colours are", 4
+    ids = tokenizer.encode(prompt)
+    sampling = {"temperature": 0, "max_tokens": tokens, "logprobs": 2}
+    whole = client.completions.create(model=LLM_MODEL, prompt=prompt, echo=True, **sampling).choices[0]
+    assert whole.text.startswith(prompt) and len(whole.logprobs.tokens) == len(ids) + tokens
+    assert whole.logprobs.token_logprobs[0] is None and len(whole.logprobs.top_logprobs[1]) >= 2
+    kserve = grpc_generate(
+        openai_server[0].grpc_url, LLM_MODEL, input_ids=ids, sampling={**sampling, "prompt_logprobs": 2}
+    )
+    prompt_logprobs = json.loads(kserve.responses[0]["prompt_logprobs"][0])
+    expected = [step[str(token)]["logprob"] for step, token in zip(prompt_logprobs[1:], ids[1:], strict=True)]
+    assert whole.logprobs.token_logprobs[1 : len(ids)] == pytest.approx(expected, abs=1e-3)
+    chunks = [c for c in client.completions.create(model=LLM_MODEL, prompt=prompt, echo=True, stream=True, **sampling)]
+    streamed = [token for c in chunks if c.choices and c.choices[0].logprobs for token in c.choices[0].logprobs.tokens]
+    assert streamed == whole.logprobs.tokens and "".join(c.choices[0].text for c in chunks if c.choices) == whole.text
+    chat = _chat(client, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 1})
+    chat_prompt = chat.model_extra["prompt_logprobs"]
+    assert chat_prompt[0] is None and len(chat_prompt) == chat.usage.prompt_tokens and all(chat_prompt[1:])
+
+
 def test_response_format_json_schema_is_obeyed_and_equals_steps_1(client: openai.OpenAI) -> None:
     schema = {
         "type": "object",
@@ -225,6 +251,9 @@ def test_bad_requests_get_openai_errors_with_their_status(client: openai.OpenAI,
     bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
     with pytest.raises(openai.BadRequestError, match="guided_decoding"):
         _chat(client, max_tokens=4, response_format=bad_schema)
+    # vLLM's `priority` goes to the model's `priority` input; this model schedules first come, first served.
+    with pytest.raises(openai.BadRequestError, match="input 'priority' is 3, but .*'scheduling_policy'"):
+        _chat(client, max_tokens=4, extra_body={"priority": 3})
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=openai_server[1], api_key="wrong", max_retries=0).models.list()
     assert _chat(client, max_tokens=4).choices[0].message.content  # and it serves on

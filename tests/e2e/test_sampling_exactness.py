@@ -33,6 +33,8 @@ from references import (
     THEIR_GUIDED_PROMPTS,
     THEIR_SAMPLING_PARAMETERS,
     TINY_BPE,
+    TINY_PROMPT_LOGPROBS,
+    TINY_PROMPTS,
     References,
     chat_ids,
 )
@@ -377,3 +379,32 @@ def test_a_priority_on_a_first_come_first_served_model_fails_alone_naming_both_s
     assert result.error is not None and result.finals == 1
     assert "input 'priority' is 3" in result.error and "'scheduling_policy'" in result.error, result.error
     assert served(server, [1, 5], {"max_tokens": 2}).token_ids()
+
+
+LOGPROB_TOLERANCE = 5e-3  # the engine tier's, for logprobs computed by different engines or batches
+
+
+def test_prompt_logprobs_at_steps_8_equal_steps_1_streamed_and_whole_and_offline_vllms(
+    server: ServerProcess, references: References
+) -> None:
+    """`prompt_logprobs` in sampling_parameters: the prompt's logprobs (null for its first token) on the
+    first response only, identical at steps 8 and 1, streamed and whole; against offline vLLM (references.py)
+    the same candidates per position, values within the tolerance."""
+    answers = []
+    for model in (LLM_MODEL, STEPS1):
+        for stream in (True, False):
+            result = grpc_generate(
+                server.grpc_url, model, prompt=TINY_PROMPTS[0], sampling=TINY_PROMPT_LOGPROBS, stream=stream
+            )
+            assert result.error is None and len(result.token_ids()) == TINY_PROMPT_LOGPROBS["max_tokens"]
+            carrying = [i for i, response in enumerate(result.responses) if "prompt_logprobs" in response]
+            assert carrying == [0], carrying
+            answers.append(json.loads(result.responses[0]["prompt_logprobs"][0]))
+    assert all(answer == answers[0] for answer in answers[1:])
+    served, offline = answers[0], references.tiny_prompt_logprobs
+    assert served[0] is None and offline[0] is None and len(served) == len(offline) > 2
+    for position, (ours, theirs) in enumerate(zip(served[1:], offline[1:], strict=True), start=1):
+        assert set(ours) == set(theirs), position
+        for token, entry in ours.items():
+            assert entry["logprob"] == pytest.approx(theirs[token], abs=LOGPROB_TOLERANCE), (position, token)
+            assert entry["decoded_token"] is not None and entry["rank"] >= 1

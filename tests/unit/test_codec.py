@@ -457,3 +457,22 @@ def test_a_priority_comes_from_its_input_or_the_sampling_field_and_reaches_the_e
 def test_a_bad_or_unusable_priority_fails_naming_it(inputs: dict, model: codec.ModelLimits, message: str) -> None:
     with pytest.raises(codec.RequestError, match=message):
         request(inputs, model=model)
+
+
+def test_prompt_logprobs_go_on_the_response_that_carries_them_with_null_for_the_first_token() -> None:
+    generation = request(sampling({"prompt_logprobs": 1}, stream=boolean(True)))
+    steps = [None, {5: TokenLogprob(-0.25, 1, "x")}, {6: TokenLogprob(-1.5, 2, "y"), 7: TokenLogprob(-0.5, 1, "z")}]
+    first = EngineOutput("r", [Completion(0, "a", [1])], False, 3, prompt_logprobs=steps)
+    arrays = codec.encode_response(first, generation, first=True)
+    assert json.loads(arrays["prompt_logprobs"][0]) == [
+        None,
+        {"5": {"logprob": -0.25, "rank": 1, "decoded_token": "x"}},
+        {
+            "6": {"logprob": -1.5, "rank": 2, "decoded_token": "y"},
+            "7": {"logprob": -0.5, "rank": 1, "decoded_token": "z"},
+        },
+    ]
+    later = codec.encode_response(EngineOutput("r", [Completion(0, "b", [2])], False), generation, first=False)
+    assert "prompt_logprobs" not in later
+    generation.outputs = frozenset({"text_output"})  # not asked for by name: not built
+    assert "prompt_logprobs" not in codec.encode_response(first, generation, first=True)

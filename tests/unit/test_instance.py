@@ -57,6 +57,7 @@ def test_auto_complete_adds_what_is_missing_and_keeps_what_is_there() -> None:
         "first_token_time_ns",
         "last_token_time_ns",
         "num_cached_tokens",
+        "prompt_logprobs",
     }
     assert outputs["window_offsets"]["dims"] == [3]
     assert outputs["first_token_time_ns"]["data_type"] == "TYPE_INT64"

@@ -69,9 +69,32 @@ def test_structured_output_and_adapter_go_as_the_backend_takes_them() -> None:
     assert sent["guided_decoding"] == {"json": {"type": "object"}} and sent["lora_name"] == "pirate"
 
 
-def test_what_the_backend_cannot_return_is_refused_as_a_value_error() -> None:
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        triton_requests.sampling_parameters(SamplingParams(prompt_logprobs=1))
+def test_what_the_backend_cannot_run_is_refused_as_a_value_error() -> None:
+    with pytest.raises(ValueError, match="logits processors"):
+        triton_requests.sampling_parameters(SamplingParams(logits_processors=[lambda ids, logits: logits]))
+
+
+def test_prompt_logprobs_are_asked_for_and_read_back_as_vllms() -> None:
+    """echo with logprobs (vLLM's serving code sets prompt_logprobs): sent, the model's output asked
+    for, and its JSON (null for the first prompt token) read back as vLLM's prompt logprobs."""
+    params = SamplingParams(max_tokens=2, logprobs=1, prompt_logprobs=1)
+    request = triton_requests.triton_request([1, 2, 3], params, None)
+    assert json.loads(request.inputs["sampling_parameters"][0])["prompt_logprobs"] == 1
+    assert "prompt_logprobs" in request.outputs
+    entry = {"logprob": -0.5, "rank": 1, "decoded_token": "b"}
+    arrays = {
+        "text_output": [b"x"],
+        "output_ids": [9],
+        "finish_reason": [b"None"],
+        "num_output_tokens": [1],
+        "prompt_logprobs": [json.dumps([None, {"2": entry}, {"3": {**entry, "rank": 2}, "4": entry}]).encode()],
+    }
+    output = triton_requests.request_output("r", [1, 2, 3], arrays, 1)
+    assert output.prompt_logprobs[0] is None
+    assert output.prompt_logprobs[1][2].logprob == -0.5 and output.prompt_logprobs[1][2].decoded_token == "b"
+    assert sorted(output.prompt_logprobs[2]) == [3, 4] and output.prompt_logprobs[2][3].rank == 2
+    later = {name: value for name, value in arrays.items() if name != "prompt_logprobs"}  # a later response's
+    assert triton_requests.request_output("r", [1, 2, 3], later, 1).prompt_logprobs is None
 
 
 def test_a_response_becomes_a_request_output_with_its_completions() -> None:
@@ -182,3 +205,13 @@ def test_v1_models_are_left_out_of_the_openai_api_with_a_warning_or_refused_when
     assert "model on_v1: not served by the OpenAI API (vllm_engine 'v1'" in caplog.text
     with pytest.raises(RuntimeError, match="--triton-model on_v1: vllm_engine 'v1' models are not served"):
         server.without_v1_models(models, ["on_v1"])
+
+
+def test_vllms_request_priority_becomes_the_models_priority_input() -> None:
+    params = SamplingParams(max_tokens=3)
+    assert "priority" not in triton_requests.triton_request([1, 2], params, None).inputs
+    request = triton_requests.triton_request([1, 2], params, None, priority=-4)
+    assert request.inputs["priority"].dtype == np.int32 and request.inputs["priority"].tolist() == [-4]
+    model = codec.ModelLimits(100, 64, scheduling_policy="priority")
+    generation = codec.decode_request(dict(request.inputs), None, model, encode=lambda _: [1], decode=str)
+    assert generation.priority == -4

@@ -119,6 +119,9 @@ class EngineOutput(NamedTuple):
     first_token_time: float | None = None
     # The request's timings and cache use: in its finished output only (None in the others).
     times: RequestTimes | None = None
+    # With `prompt_logprobs` asked: per prompt token (None for the first, as vLLM) its candidates,
+    # in the request's first output only.
+    prompt_logprobs: list[dict[int, TokenLogprob] | None] | None = None
 
 
 @dataclass(frozen=True)

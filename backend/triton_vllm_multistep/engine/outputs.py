@@ -48,7 +48,17 @@ def plain_output(output: Any) -> EngineOutput:
         None if prompt is None else len(prompt),
         None if metrics is None else first_token_time(metrics),
         request_times(output) if output.finished else None,
+        None if output.prompt_logprobs is None else plain_prompt_logprobs(output.prompt_logprobs),
     )
+
+
+def plain_prompt_logprobs(logprobs: Iterable[dict[int, Any] | None]) -> list[dict[int, TokenLogprob] | None]:
+    """vLLM's prompt logprobs (None for the first prompt token; V1's flat form yields {} there) → the
+    same with TokenLogprobs."""
+    return [
+        None if not step else {token: TokenLogprob(lp.logprob, lp.rank, lp.decoded_token) for token, lp in step.items()}
+        for step in logprobs
+    ]
 
 
 def first_token_time(metrics: Any) -> float | None:

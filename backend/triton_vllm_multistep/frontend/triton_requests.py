@@ -26,6 +26,7 @@ from triton_vllm_multistep.interface import (
     NUM_OUTPUT_TOKENS,
     OUTPUT_IDS,
     PRIORITY,
+    PROMPT_LOGPROBS,
     RETURN_FINISH_REASON,
     RETURN_LOGPROBS,
     RETURN_NUM_INPUT_TOKENS,
@@ -58,6 +59,7 @@ SENT_FIELDS = (
     "logit_bias",
     "allowed_token_ids",
     "bad_words",
+    "prompt_logprobs",  # echo with logprobs, or asked for: the model returns them on its first response
 )
 _DEFAULTS = SamplingParams()
 # Outputs asked of the model: the backend builds only these (docs/interface.md).
@@ -79,8 +81,6 @@ class TritonRequest:
 
 def sampling_parameters(params: SamplingParams, lora_name: str | None = None) -> dict[str, Any]:
     """The `sampling_parameters` JSON object for `params` (vLLM field names and meanings)."""
-    if params.prompt_logprobs is not None:
-        raise UnsupportedRequest("prompt_logprobs (echo with logprobs) is not returned by this server")
     if params.logits_processors:
         raise UnsupportedRequest("logits processors (e.g. logits_processor_pattern) are not accepted by this server")
     values: dict[str, Any] = {}
@@ -131,6 +131,8 @@ def triton_request(
     if params.logprobs is not None:
         inputs[RETURN_LOGPROBS] = np.array([True], dtype=bool)
         outputs = (*outputs, LOGPROBS)
+    if params.prompt_logprobs is not None:
+        outputs = (*outputs, PROMPT_LOGPROBS)
     # The empty FINAL tells the client the stream is over whatever the last data response said.
     return TritonRequest(inputs, outputs, {"triton_enable_empty_final_response": True})
 
@@ -179,6 +181,7 @@ def request_output(
     texts = [_text(t) for t in arrays[TEXT_OUTPUT]]
     reasons = [_finish_reason(r) for r in arrays[FINISH_REASON]]
     logprobs = [_logprobs(lp) for lp in arrays[LOGPROBS]] if LOGPROBS in arrays else [None] * completions
+    prompt_logprobs = _logprobs(arrays[PROMPT_LOGPROBS][0]) if PROMPT_LOGPROBS in arrays else None
     outputs = []
     start = 0
     for index, count in enumerate(counts):
@@ -201,7 +204,7 @@ def request_output(
         request_id=request_id,
         prompt=None,
         prompt_token_ids=prompt_token_ids,
-        prompt_logprobs=None,
+        prompt_logprobs=prompt_logprobs,
         outputs=outputs,
         finished=all(reason is not None for reason in reasons),
     )
@@ -216,12 +219,14 @@ def _finish_reason(value: Any) -> str | None:
     return None if text in ("None", "") else text  # the backend sends str(None) while unfinished
 
 
-def _logprobs(value: Any) -> list[dict[int, Logprob]] | None:
+def _logprobs(value: Any) -> list[dict[int, Logprob] | None] | None:
     steps = json.loads(_text(value))
     if steps is None:
         return None
     return [
-        {
+        None
+        if step is None  # the first prompt token's
+        else {
             int(token): Logprob(
                 logprob=entry["logprob"], rank=entry.get("rank"), decoded_token=entry.get("decoded_token")
             )

@@ -37,6 +37,7 @@ from triton_vllm_multistep.interface import (
     PERF_TIME_OUTPUTS,
     PRIORITY,
     PRIORITY_FIELD,
+    PROMPT_LOGPROBS,
     RETURN_FLAGS,
     STREAM_WITH_PROMPT_MESSAGE,
 )
@@ -667,6 +668,8 @@ def encode_response(
         arrays["num_input_tokens"] = np.array([request.prompt_tokens], dtype=np.uint32)
     if returns.num_output_tokens and request.wants("num_output_tokens"):
         arrays["num_output_tokens"] = np.array([len(c.token_ids) for c in completions], dtype=np.uint32)
+    if output.prompt_logprobs is not None and request.wants(PROMPT_LOGPROBS):
+        arrays[PROMPT_LOGPROBS] = np.array([_logprobs_json(output.prompt_logprobs)], dtype=np.object_)
     if returns.perf_metrics and output.finished:
         arrays.update(_perf_metrics(output.times, request))
     if request.context_ids is not None and window_decode is not None:
@@ -699,12 +702,16 @@ def _perf_metrics(times: RequestTimes | None, request: GenerationRequest) -> dic
     return arrays
 
 
-def _logprobs_json(logprobs: list[dict[int, TokenLogprob]] | None) -> bytes:
+def _logprobs_json(logprobs: Sequence[dict[int, TokenLogprob] | None] | None) -> bytes:
+    """Per position {token id: {logprob, rank, decoded_token}}; null where there is none (the first
+    prompt token's)."""
     if logprobs is None:
         return b"null"
     return json.dumps(
         [
-            {
+            None
+            if step is None
+            else {
                 str(token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
                 for token, lp in step.items()
             }

@@ -30,6 +30,7 @@ def merge_deltas(earlier: EngineOutput, later: EngineOutput) -> EngineOutput:
         later.prompt_tokens if later.prompt_tokens is not None else earlier.prompt_tokens,
         later.first_token_time,
         later.times,
+        later.prompt_logprobs if later.prompt_logprobs is not None else earlier.prompt_logprobs,
     )
 
 
