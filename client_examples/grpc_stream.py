@@ -6,7 +6,8 @@ python client_examples/grpc_stream.py "Is Paris in France?" --model ensemble --c
     --guided-decoding '{"choice": ["yes", "no"]}'
 python client_examples/grpc_stream.py "What is the capital of France?" --model ensemble --chat --lora-name pirate
 python client_examples/grpc_stream.py $'USER: <image>\nWhat is in the picture? ASSISTANT:' --image cat.png
-python client_examples/grpc_stream.py "The capital of France is" --perf-metrics
+python client_examples/grpc_stream.py "The capital of France is" --perf-metrics --prompt-logprobs 1
+python client_examples/grpc_stream.py "The capital of France is" --priority -1  # scheduling_policy "priority"
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def build_inputs(
     chat: bool = False,
     images: list[bytes] | None = None,
     perf_metrics: bool = False,
+    priority: int | None = None,
 ) -> list[grpcclient.InferInput]:
     """The request's inputs; `images` are image files' bytes, one per placeholder of the prompt."""
     if chat:  # one user message; the ensemble's preprocessing applies the model's chat template
@@ -54,7 +56,22 @@ def build_inputs(
         flag = grpcclient.InferInput("return_perf_metrics", [1], "BOOL")
         flag.set_data_from_numpy(np.array([True]))
         inputs.append(flag)
+    if priority is not None:  # lower is scheduled first; the model needs scheduling_policy "priority"
+        urgency = grpcclient.InferInput("priority", [1], "INT32")
+        urgency.set_data_from_numpy(np.array([priority], dtype=np.int32))
+        inputs.append(urgency)
     return inputs
+
+
+def prompt_logprobs_summary(text: bytes) -> str:
+    """The `prompt_logprobs` output: each prompt token after the first, with its most likely candidate."""
+    lines = []
+    for position, candidates in enumerate(json.loads(text)):
+        if candidates is None:
+            continue  # the first prompt token has no context
+        best = max(candidates.values(), key=lambda entry: entry["logprob"])
+        lines.append(f"prompt token {position}: most likely {best['decoded_token']!r} ({best['logprob']:.3f})")
+    return "\n".join(lines)
 
 
 def perf_summary(result: grpcclient.InferResult) -> str:
@@ -92,6 +109,10 @@ def main() -> int:
         "--image", action="append", default=[], metavar="FILE", help="an image for the prompt's next placeholder"
     )
     parser.add_argument(
+        "--prompt-logprobs", type=int, metavar="N", help="print the prompt's logprobs, N candidates per token"
+    )
+    parser.add_argument("--priority", type=int, help="the request's priority (lower first; 0 by default)")
+    parser.add_argument(
         "--perf-metrics",
         action="store_true",
         help="print the request's timings and prefix-cache use after the answer (return_perf_metrics)",
@@ -106,10 +127,15 @@ def main() -> int:
         sampling["guided_decoding"] = args.guided_decoding  # a JSON string, as Triton's vLLM backend takes it
     if args.lora_name:
         sampling["lora_name"] = args.lora_name
+    if args.prompt_logprobs is not None:
+        sampling["prompt_logprobs"] = args.prompt_logprobs
     images = [Path(path).read_bytes() for path in args.image]
-    inputs = build_inputs(args.prompt, sampling, chat=args.chat, images=images, perf_metrics=args.perf_metrics)
+    inputs = build_inputs(
+        args.prompt, sampling, chat=args.chat, images=images, perf_metrics=args.perf_metrics, priority=args.priority
+    )
     client.async_stream_infer(args.model, inputs, enable_empty_final_response=True)
     status = 0
+    shown_after = ""
     while True:
         result, error = responses.get()
         if error is not None:
@@ -120,7 +146,12 @@ def main() -> int:
         output = result.as_numpy("text_output")
         if output is not None:
             print(output[0].decode("utf-8"), end="", flush=True)
+        prompt_logprobs = result.as_numpy("prompt_logprobs")
+        if prompt_logprobs is not None:  # on the first response; shown after the answer
+            shown_after = prompt_logprobs_summary(prompt_logprobs[0])
         if response.parameters["triton_final_response"].bool_param:
+            if shown_after:
+                print(f"\n{shown_after}", end="")
             if args.perf_metrics and result.as_numpy(PERF_TIMES[0]) is not None:
                 print(f"\n{perf_summary(result)}", end="")
             break

@@ -300,3 +300,17 @@ def test_the_client_example_prints_the_requests_timings_with_perf_metrics(server
     assert match is not None, done.stdout
     scheduled, first, last = (float(match.group(i)) for i in (1, 2, 3))
     assert 0 <= scheduled <= first <= last < 120_000 and match.group(4) == "0"
+
+
+def test_the_client_example_sends_a_priority_and_prints_the_prompts_logprobs(server, demo_model_paths) -> None:
+    """client_examples/grpc_stream.py --priority --prompt-logprobs, as the README shows them, on a model
+    with scheduling_policy "priority": one line per prompt token after the first."""
+    example = Path(__file__).resolve().parents[2] / "client_examples" / "grpc_stream.py"
+    prompt_ids = AutoTokenizer.from_pretrained(demo_model_paths["tiny-llama-bpe"]).encode("hello world")
+    command = [sys.executable, str(example), "hello world", "--url", server.grpc_url, "--max-tokens", "4"]
+    command += ["--model", "vllm_model_priority", "--priority", "-1", "--prompt-logprobs", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("prompt token ")]
+    assert len(lines) == len(prompt_ids) - 1, done.stdout
+    assert all(re.fullmatch(r"prompt token \d+: most likely .* \(-?\d+\.\d{3}\)", line) for line in lines), lines

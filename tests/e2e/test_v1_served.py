@@ -70,6 +70,8 @@ STRUCTURED = {
     "regex": ({"regex": "[a-c]{2}[0-9]{3}"}, lambda text: re.fullmatch("[a-c]{2}[0-9]{3}", text) is not None),
 }
 STRUCTURED_PROMPT, STRUCTURED_SAMPLING = "Answer:", {"temperature": 0.0, "max_tokens": 16}
+PROMPT_LOGPROBS = {"temperature": 0.0, "max_tokens": 4, "prompt_logprobs": 3}
+LOGPROB_TOLERANCE = 5e-3  # logprobs of two engines (or batches) of the same vLLM
 
 
 V1_LORA = "llm_v1_lora"
@@ -150,13 +152,13 @@ def served_fields(model: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> dict[str, tuple[list[int], str]]:
+def reference(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> dict[str, Any]:
     """The tiny model's answers from `vllm serve` of the V1 environment (vLLM 0.32's own OpenAI
     server, the same engine arguments): the id prompts' (greedy, seeded; whole, and streamed, which
     must agree) and the structured ones' (V1's `structured_outputs`)."""
     log = tmp_path_factory.mktemp("vllm_serve_v1") / "vllm_serve.log"
     fields = served_fields(str(demo_models.build("tiny-llama-bpe")))
-    answers: dict[str, tuple[list[int], str]] = {}
+    answers: dict[str, Any] = {}
     with vllm_serve.serving(v1_python(), fields, V1, log, {"VLLM_CPU_KVCACHE_SPACE": "1"}) as server:
         for kind, sampling in (("greedy", GREEDY), ("seeded", SEEDED)):
             for i, ids in enumerate(PROMPTS):
@@ -168,6 +170,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) 
             structured = {**STRUCTURED_SAMPLING, "structured_outputs": constraint}
             ids, text, _ = server.completion(STRUCTURED_PROMPT, structured, stream=False)
             answers[kind] = (ids, text)
+        answers["prompt_logprobs"] = server.prompt_logprobs(PROMPTS[0], PROMPT_LOGPROBS)
     return answers
 
 
@@ -184,6 +187,28 @@ def test_v1_streams_one_response_per_step_with_vllm_serves_tokens_and_whole_equa
         whole = grpc_generate(v1_server.grpc_url, V1, input_ids=list(ids), sampling=sampling, stream=False)
         assert whole.error is None and whole.token_ids() == streamed.token_ids()
         assert whole.text() == streamed.text()
+
+
+def test_prompt_logprobs_on_v1_are_vllm_serves_on_the_first_response_streamed_and_whole(
+    v1_server: ServerProcess, reference: dict[str, Any]
+) -> None:
+    """`prompt_logprobs` on V1: the prompt's logprobs (null for its first token) on the first response
+    only, the same streamed and whole, and `vllm serve`'s candidates with its values (tolerance)."""
+    answers = []
+    for stream in (True, False):
+        result = grpc_generate(
+            v1_server.grpc_url, V1, input_ids=list(PROMPTS[0]), sampling=PROMPT_LOGPROBS, stream=stream
+        )
+        assert result.error is None and len(result.token_ids()) == PROMPT_LOGPROBS["max_tokens"], result.error
+        assert [i for i, response in enumerate(result.responses) if "prompt_logprobs" in response] == [0]
+        answers.append(json.loads(result.responses[0]["prompt_logprobs"][0]))
+    assert answers[0] == answers[1]
+    theirs = reference["prompt_logprobs"]
+    assert answers[0][0] is None and theirs[0] is None and len(answers[0]) == len(theirs) == len(PROMPTS[0])
+    for position, (ours, expected) in enumerate(zip(answers[0][1:], theirs[1:], strict=True), start=1):
+        assert set(ours) == set(expected), position
+        for token, entry in ours.items():
+            assert entry["logprob"] == pytest.approx(expected[token], abs=LOGPROB_TOLERANCE), (position, token)
 
 
 def test_async_scheduling_asked_in_model_json_is_kept_on_cpu_and_not_imposed(v1_server: ServerProcess) -> None:

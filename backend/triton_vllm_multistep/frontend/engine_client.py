@@ -20,7 +20,7 @@ from vllm.config import DecodingConfig, ModelConfig
 from vllm.engine.protocol import EngineClient
 from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 from triton_vllm_multistep.frontend import triton_requests
 from triton_vllm_multistep.frontend.errors import EngineUnavailable, is_unavailable
@@ -128,6 +128,9 @@ class TritonEngineClient(EngineClient):
 
         responses = self._client.stream_infer(one_request())
         ended = False
+        # vLLM's streaming completions read the prompt's text from the first output to echo it (its
+        # whole answers take the request's own); the prompt reaches this client as token ids only.
+        first = params.output_kind == RequestOutputKind.DELTA
         try:
             async for result, error in responses:
                 if error is not None:
@@ -137,7 +140,11 @@ class TritonEngineClient(EngineClient):
                 final = response.parameters.get("triton_final_response")
                 values = triton_requests.response_values(response)
                 if NUM_OUTPUT_TOKENS in values:  # a data response (the empty FINAL has none)
-                    yield triton_requests.request_output(request_id, prompt_ids, values, completions)
+                    output = triton_requests.request_output(request_id, prompt_ids, values, completions)
+                    if first:
+                        output.prompt = self._tokenizer.decode(prompt_ids)
+                        first = False
+                    yield output
                 if final is not None and final.bool_param:
                     ended = True
                     return

@@ -103,6 +103,23 @@ class VllmServe:
                 chunks += bool(new_ids)
         return ids, text, chunks
 
+    def prompt_logprobs(
+        self, prompt: str | Sequence[int], sampling: Mapping[str, Any]
+    ) -> list[dict[str, float] | None]:
+        """The prompt's logprobs of one /v1/completions request with `prompt_logprobs` in `sampling`:
+        per position {token id (text): logprob}, None for the first token."""
+        import requests
+
+        body = {"model": self.served_name, "prompt": prompt if isinstance(prompt, str) else list(prompt), **sampling}
+        response = requests.post(f"{self.http_url}/v1/completions", json=body, timeout=300)
+        if response.status_code != 200:
+            raise RuntimeError(f"vllm serve answered {response.status_code}: {response.text[:2000]}")
+        (choice,) = response.json()["choices"]
+        return [
+            None if step is None else {token: entry["logprob"] for token, entry in step.items()}
+            for step in choice["prompt_logprobs"]
+        ]
+
     def stop(self, timeout: float = 60.0) -> int:
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
