@@ -48,7 +48,8 @@ def plain_output(output: Any) -> EngineOutput:
         None if prompt is None else len(prompt),
         None if metrics is None else first_token_time(metrics),
         request_times(output) if output.finished else None,
-        None if output.prompt_logprobs is None else plain_prompt_logprobs(output.prompt_logprobs),
+        # V1's later delta outputs carry [] once its first one took them: none.
+        plain_prompt_logprobs(output.prompt_logprobs) if output.prompt_logprobs else None,
     )
 
 
