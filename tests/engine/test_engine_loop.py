@@ -109,7 +109,9 @@ class _RecordingEngine:
         self.calls.append("step")
         finished, self._unfinished = self._unfinished, []
         return [
-            types.SimpleNamespace(request_id=r, finished=True, outputs=[], prompt_token_ids=None, metrics=None)
+            types.SimpleNamespace(
+                request_id=r, finished=True, outputs=[], prompt_token_ids=None, metrics=None, prompt_logprobs=None
+            )
             for r in finished
         ]
 
@@ -305,3 +307,40 @@ def test_iteration_tokens_and_preemptions_are_vllms_own_at_steps_1_and_add_up_al
     calm_eight, none_eight, _, _ = _iterations(8, requests=3, max_tokens=20, blocks=64)
     assert none_one == none_eight == 0
     assert sum(calm_eight) == sum(calm_one) == 3 * (6 + 20)
+
+
+def _seeded_answers(steps: int, blocks: int, request_ids: tuple[str, ...]) -> tuple[dict[str, list[int]], int]:
+    """Each request's tokens (seeded, DELTA) and the preemptions, on an engine with `blocks` KV blocks."""
+    events: list[object] = []
+    loop = EngineLoop(
+        lambda: build_engine(
+            _args(steps, max_model_len=128, num_gpu_blocks_override=blocks, block_size=16, seed=0), stream_mode="step"
+        )
+    )
+    engine = loop.start_engine()
+    loop.serve(events.append)
+    try:
+        for i, request_id in enumerate(request_ids):
+            sampling = {"max_tokens": 60, "temperature": 0.9, "top_p": 0.9, "seed": 100 + i, "ignore_eos": True}
+            loop.submit(EngineRequest(request_id, (1, 5, 9, 12, 3, 4 + i), {**sampling, "output_kind": "DELTA"}))
+        deadline = time.monotonic() + 120
+        while not all(_finished(events, r) for r in request_ids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        outputs = [o for e in list(events) if isinstance(e, StepOutputs) for o in e.outputs]
+        tokens = {r: [t for o in outputs if o.request_id == r for t in o.outputs[0].token_ids] for r in request_ids}
+        return tokens, engine.scheduler[0].num_cumulative_preemption
+    finally:
+        loop.stop()
+
+
+@pytest.mark.parametrize("steps", [1, 8])
+def test_a_seeded_request_preempted_by_recompute_answers_as_it_does_alone(steps: int) -> None:
+    """engine/preemption.py: vLLM 0.8.5 reseeded a recomputed request's generator, so a preempted
+    seeded request changed its answer; now every request of an overfull batch (12 KV blocks, four
+    requests of 66 tokens: preemptions) answers as it does alone."""
+    request_ids = ("a", "b", "c", "d")
+    crowded, preemptions = _seeded_answers(steps, 12, request_ids)
+    assert preemptions > 0
+    alone, none = _seeded_answers(steps, 64, request_ids)  # room for all: never preempted
+    assert none == 0
+    assert crowded == alone and all(len(tokens) == 60 for tokens in alone.values())

@@ -21,6 +21,7 @@ from vllm.engine.llm_engine import LLMEngine
 # EngineBuildError is defined with the boundary types (an engine process's build failure crosses as itself).
 from triton_vllm_multistep.engine.events import STREAM_MODES, EngineBuildError, StreamMode
 from triton_vllm_multistep.engine.multimodal import multi_step_refusal, prefix_caching_refusal
+from triton_vllm_multistep.engine.preemption import keep_seeded_generators_across_recompute
 from triton_vllm_multistep.engine.prefix_cache import count_cached_prompt_tokens_on_cpu, count_cached_tokens_afresh
 
 logger = logging.getLogger(__name__)
@@ -174,6 +175,7 @@ def build_engine(engine_args: EngineArgs, *, stream_mode: StreamMode = "step") -
     """
     from vllm.platforms import current_platform
 
+    keep_seeded_generators_across_recompute()
     engine = _build_engine(engine_args, stream_mode)
     if current_platform.is_cpu() and str(engine.model_config.dtype) == "torch.float16":
         # vLLM's "auto" turns float32 checkpoints into float16, which its CPU kernels lack: the
