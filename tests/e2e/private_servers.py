@@ -110,6 +110,20 @@ class RouterView:
     cache_config: dict[str, str]
     result: Any
 
+    def assert_filled_queued_and_preempted(self, requests: int, tokens_through_the_model: int) -> None:
+        """What an overfilled KV cache shows a router: requests running and waiting, the cache mostly
+        used; after: preemptions, one observation per request of each phase, and at least every
+        prompt and generated token through the model once (preemption recomputes)."""
+        assert self.highest["vllm:num_requests_running"] >= 2, self.highest
+        assert self.highest["vllm:num_requests_waiting"] >= 1, self.highest
+        assert self.highest["vllm:kv_cache_usage_perc"] > 0.5, self.highest
+        change = self.change
+        assert change["vllm:num_preemptions_total"] > 0, change
+        for phase in ("queue", "inference", "prefill", "decode"):
+            assert change[f"vllm:request_{phase}_time_seconds_count"] == requests, (phase, change)
+        assert change["vllm:request_decode_time_seconds_sum"] > 0, change
+        assert change["vllm:iteration_tokens_total_sum"] >= tokens_through_the_model, change
+
 
 def watch_as_a_router(server: ServerProcess, model: str, run: Callable[[], Any], interval: float = 0.05) -> RouterView:
     """Scrape `model`'s router metrics every `interval` s while `run()` runs, as the Kubernetes gateway
