@@ -25,12 +25,11 @@ import pytest
 import references as reference_answers
 import scheduling
 import tritonclient.grpc as grpcclient
-from private_servers import model_ready, readme_lora_repository, readme_repository, serving
+from private_servers import model_ready, readme_lora_repository, serving
 from served_models import (
     LLM_MODEL,
     LLM_VARIANTS,
     OPENAI_API_KEY,
-    README_PRIORITY,
     REAL_MODEL,
     SHIPPED_REPOSITORY,
     STEPS1,
@@ -111,9 +110,6 @@ def smollm2_lora_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
     repository = readme_lora_repository(root / "lora_repository")
     assert '"enable_lora": true' in (repository / LLM_MODEL / "1" / "model.json").read_text()
     copy_model(repository / LLM_MODEL, repository / STEPS1, {"num_scheduler_steps": 1})
-    # The README's priority example (its commands as written), its LLM model served here too.
-    priority = readme_repository("/tmp/priority_repository", root / "priority_repository")
-    shutil.copytree(priority / LLM_MODEL, repository / README_PRIORITY)
     (port,) = free_ports(1)
     args = (f"--openai-port={port}", f"--openai-api-key={OPENAI_API_KEY}", "--model-control-mode=explicit")
     with serving(repository, root / "tritonserver.log", *args, "--load-model=*") as server:

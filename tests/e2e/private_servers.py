@@ -10,6 +10,7 @@ import contextlib
 import re
 import shutil
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ __all__ = [
     "make_repository",
     "metric",
     "model_ready",
+    "readme_client_command",
     "readme_lora_repository",
     "readme_repository",
     "scrape",
@@ -215,6 +217,16 @@ def readme_repository_commands(repository: str) -> list[str]:
         if line.strip():
             lines.append(line)
     raise AssertionError(f"the README block of {repository} has no serve line")
+
+
+def readme_client_command(marker: str) -> list[str]:
+    """The README's client example line holding `marker`, as argv (its quoted prompt kept whole)."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    command = next(line for line in readme.splitlines() if marker in line and "grpc_stream" in line)
+    args = command.split("grpc_stream.py", 1)[1].strip()
+    quoted = re.match(r'"([^"]*)"\s*(.*)', args)
+    assert quoted is not None, command
+    return [sys.executable, "client_examples/grpc_stream.py", quoted.group(1), *quoted.group(2).split()]
 
 
 def readme_repository(readme_path: str, target: Path) -> Path:

@@ -7,7 +7,6 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_REPOSITORY = REPO_ROOT / "model_repository"
 LLM_MODEL = "vllm_model"
-README_PRIORITY = "readme_priority"  # the README's priority repository's LLM model, on the SmolLM2 server
 STEPS1 = "vllm_model_steps1"  # a single-step copy of the LLM model, on every server that has one
 OPENAI_API_KEY = "test-key"  # smollm2_lora_server's --openai-api-key
 REAL_MODEL = "demo://smollm2-135m-instruct"

@@ -20,6 +20,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
+from private_servers import REPO_ROOT, readme_client_command, readme_repository
 from references import TINY_BPE, TINY_GREEDY, TINY_MAX_TOKENS, TINY_PROMPTS, TINY_SPM, References
 from served_models import LLM_MODEL, TOKENIZER_MODELS
 from transformers import AutoTokenizer
@@ -302,15 +303,19 @@ def test_the_client_example_prints_the_requests_timings_with_perf_metrics(server
     assert 0 <= scheduled <= first <= last < 120_000 and match.group(4) == "0"
 
 
-def test_the_client_example_sends_a_priority_and_prints_the_prompts_logprobs(server, demo_model_paths) -> None:
-    """client_examples/grpc_stream.py --priority --prompt-logprobs, as the README shows them, on a model
-    with scheduling_policy "priority": one line per prompt token after the first."""
-    example = Path(__file__).resolve().parents[2] / "client_examples" / "grpc_stream.py"
-    prompt_ids = AutoTokenizer.from_pretrained(demo_model_paths["tiny-llama-bpe"]).encode("hello world")
-    command = [sys.executable, str(example), "hello world", "--url", server.grpc_url, "--max-tokens", "4"]
-    command += ["--model", "vllm_model_priority", "--priority", "-1", "--prompt-logprobs", "1"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+def test_the_readmes_priority_example_sends_a_priority_and_prints_the_prompts_logprobs(
+    server, demo_model_paths, tmp_path
+) -> None:
+    """The README's priority example: its repository commands set model.json's scheduling_policy to
+    "priority" (made here as written), and its client line, run against the tiny server's model with
+    that policy, is served and prints one line of logprobs per prompt token after the first."""
+    repository = readme_repository("/tmp/priority_repository", tmp_path / "priority_repository")
+    assert json.loads((repository / LLM_MODEL / "1" / "model.json").read_text())["scheduling_policy"] == "priority"
+    argv = readme_client_command("--priority -1")
+    command = [*argv, "--url", server.grpc_url, "--max-tokens", "4", "--model", "vllm_model_priority"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr
+    prompt_ids = AutoTokenizer.from_pretrained(demo_model_paths["tiny-llama-bpe"]).encode(argv[2])
     lines = [line for line in done.stdout.splitlines() if line.startswith("prompt token ")]
     assert len(lines) == len(prompt_ids) - 1, done.stdout
     assert all(re.fullmatch(r"prompt token \d+: most likely .* \(-?\d+\.\d{3}\)", line) for line in lines), lines

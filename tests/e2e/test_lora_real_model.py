@@ -10,15 +10,13 @@ real-model checks and the OpenAI checks. Owns the real-model LoRA checks; must n
 
 from __future__ import annotations
 
-import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from private_servers import REPO_ROOT
+from private_servers import REPO_ROOT, readme_client_command
 from references import LORA_MAX_TOKENS, LORA_QUESTION, References, chat_ids
-from served_models import LLM_MODEL, README_PRIORITY, STEPS1
+from served_models import LLM_MODEL, STEPS1
 from transformers import AutoTokenizer
 from triton_clients import grpc_generate
 
@@ -42,34 +40,11 @@ def _answer(server: ServerProcess, ids: list[int], adapter: str | None, model: s
     return result.token_ids()
 
 
-def readme_client_command(marker: str) -> list[str]:
-    """The README's client example line holding `marker`, as argv (its quoted prompt kept whole)."""
-    command = next(line for line in README.splitlines() if marker in line and "grpc_stream" in line)
-    args = command.split("grpc_stream.py", 1)[1].strip()
-    quoted = re.match(r'"([^"]*)"\s*(.*)', args)
-    assert quoted is not None, command
-    return [sys.executable, "client_examples/grpc_stream.py", quoted.group(1), *quoted.group(2).split()]
-
-
 def test_the_readme_client_example_answers_like_a_pirate(lora_real_server: ServerProcess) -> None:
     argv = readme_client_command("--lora-name pirate")
     done = subprocess.run([*argv, "--url", lora_real_server.grpc_url], capture_output=True, text=True, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().startswith("Arr"), done.stdout
-
-
-def test_the_readmes_priority_example_answers_with_the_prompts_logprobs(lora_real_server: ServerProcess) -> None:
-    """The README's priority repository (scheduling_policy "priority" by its sed) and its client line:
-    a priority taken, the answer, and one line of prompt logprobs per prompt token after the first."""
-    argv = readme_client_command("--priority -1")
-    command = [*argv, "--url", lora_real_server.grpc_url, "--model", README_PRIORITY]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
-    assert done.returncode == 0, done.stderr
-    answer, *details = done.stdout.strip().splitlines()
-    assert "Paris" in answer, done.stdout
-    folder = Path(demo_models.resolve("demo://smollm2-135m-instruct")).resolve()
-    prompt_tokens = len(AutoTokenizer.from_pretrained(folder).encode(argv[2]))
-    assert len([line for line in details if line.startswith("prompt token ")]) == prompt_tokens - 1, done.stdout
 
 
 @pytest.mark.parametrize("adapter", ["pirate", "shout"])

@@ -25,7 +25,7 @@ import openai
 import pytest
 import requests
 from private_servers import metric, scrape
-from served_models import LLM_MODEL, OPENAI_API_KEY, README_PRIORITY, STEPS1
+from served_models import LLM_MODEL, OPENAI_API_KEY, STEPS1
 from transformers import AutoTokenizer
 from triton_clients import grpc_generate
 
@@ -78,7 +78,7 @@ def test_the_models_are_listed_by_their_triton_names_with_their_adapters(client:
     listed = {model.id: model for model in client.models.list()}
     adapters = {f"{model}_lora_{adapter}": model for model in (LLM_MODEL, STEPS1) for adapter in ("pirate", "shout")}
     # Both models have `pirate` and `shout`: the adapters' own names are not unique, so not served.
-    assert set(listed) == {LLM_MODEL, STEPS1, README_PRIORITY} | set(adapters)
+    assert set(listed) == {LLM_MODEL, STEPS1} | set(adapters)
     assert all(listed[name].parent == base for name, base in adapters.items())  # vLLM lists an adapter with its base
     with pytest.raises(openai.NotFoundError):
         _chat(client, "pirate", max_tokens=4)
@@ -254,9 +254,6 @@ def test_bad_requests_get_openai_errors_with_their_status(client: openai.OpenAI,
     # vLLM's `priority` goes to the model's `priority` input; this model schedules first come, first served.
     with pytest.raises(openai.BadRequestError, match="is 3, but this model schedules first come, first served"):
         _chat(client, max_tokens=4, extra_body={"priority": 3})
-    # The README's priority model takes it, and answers as without it.
-    urgent = _chat(client, README_PRIORITY, max_tokens=8, temperature=0, extra_body={"priority": -1})
-    assert urgent.choices[0].message.content == _chat(client, max_tokens=8, temperature=0).choices[0].message.content
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=openai_server[1], api_key="wrong", max_retries=0).models.list()
     assert _chat(client, max_tokens=4).choices[0].message.content  # and it serves on

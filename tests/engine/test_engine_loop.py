@@ -333,7 +333,7 @@ def _seeded_answers(steps: int, blocks: int, request_ids: tuple[str, ...]) -> tu
         loop.stop()
 
 
-@pytest.mark.parametrize("steps", [1, 8])
+@pytest.mark.parametrize("steps", [8])  # steps 1 measured the same; one engine pair keeps the worker small
 def test_a_seeded_request_preempted_by_recompute_answers_as_it_does_alone(steps: int) -> None:
     """engine/preemption.py: vLLM 0.8.5 reseeded a recomputed request's generator, so a preempted
     seeded request changed its answer; now every request of an overfull batch (12 KV blocks, four
