@@ -261,10 +261,11 @@ class _VllmIterationLog(StatLoggerBase):
         pass
 
 
-def _iterations(
-    steps: int, requests: int, max_tokens: int, blocks: int
-) -> tuple[list[int], int, _VllmIterationLog, int]:
-    """(iteration_tokens of each timed step, their preemptions, vLLM's own log, the scheduler's count)."""
+def _run_batch(
+    steps: int, blocks: int, requests: list[EngineRequest], time_steps: bool, stat_logger: Any = None
+) -> tuple[list[StepOutputs], int]:
+    """Every request through an engine loop with `blocks` 16-token KV blocks (vLLM's `stat_logger`
+    added to its engine when given): the step events, and the scheduler's preemptions."""
     events: list[object] = []
     loop = EngineLoop(
         lambda: build_engine(
@@ -272,23 +273,31 @@ def _iterations(
         )
     )
     engine = loop.start_engine()
-    vllm_log = _VllmIterationLog()
-    engine.add_logger("test", vllm_log)
-    loop.serve(events.append, time_steps=True)
+    if stat_logger is not None:
+        engine.add_logger("test", stat_logger)
+    loop.serve(events.append, time_steps=time_steps)
     try:
-        for i in range(requests):
-            sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "output_kind": "FINAL_ONLY"}
-            loop.submit(EngineRequest(f"r{i}", (1, 5, 9, 12, 3, 4 + i), sampling))
+        for request in requests:
+            loop.submit(request)
         deadline = time.monotonic() + 120
-        while not all(_finished(events, f"r{i}") for i in range(requests)) and time.monotonic() < deadline:
+        while not all(_finished(events, r.request_id) for r in requests) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert all(_finished(events, f"r{i}") for i in range(requests))
-        steps_out = [e for e in list(events) if isinstance(e, StepOutputs)]
-        tokens = [e.iteration_tokens for e in steps_out if e.iteration_tokens is not None]
-        preempted = sum(e.preemptions for e in steps_out)
-        return tokens, preempted, vllm_log, engine.scheduler[0].num_cumulative_preemption
+        assert all(_finished(events, r.request_id) for r in requests)
+        return [e for e in list(events) if isinstance(e, StepOutputs)], engine.scheduler[0].num_cumulative_preemption
     finally:
         loop.stop()
+
+
+def _iterations(
+    steps: int, requests: int, max_tokens: int, blocks: int
+) -> tuple[list[int], int, _VllmIterationLog, int]:
+    """(iteration_tokens of each timed step, their preemptions, vLLM's own log, the scheduler's count)."""
+    sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "output_kind": "FINAL_ONLY"}
+    batch = [EngineRequest(f"r{i}", (1, 5, 9, 12, 3, 4 + i), sampling) for i in range(requests)]
+    vllm_log = _VllmIterationLog()
+    steps_out, scheduler_count = _run_batch(steps, blocks, batch, time_steps=True, stat_logger=vllm_log)
+    tokens = [e.iteration_tokens for e in steps_out if e.iteration_tokens is not None]
+    return tokens, sum(e.preemptions for e in steps_out), vllm_log, scheduler_count
 
 
 def test_iteration_tokens_and_preemptions_are_vllms_own_at_steps_1_and_add_up_alike_at_steps_8() -> None:
@@ -311,26 +320,15 @@ def test_iteration_tokens_and_preemptions_are_vllms_own_at_steps_1_and_add_up_al
 
 def _seeded_answers(steps: int, blocks: int, request_ids: tuple[str, ...]) -> tuple[dict[str, list[int]], int]:
     """Each request's tokens (seeded, DELTA) and the preemptions, on an engine with `blocks` KV blocks."""
-    events: list[object] = []
-    loop = EngineLoop(
-        lambda: build_engine(
-            _args(steps, max_model_len=128, num_gpu_blocks_override=blocks, block_size=16, seed=0), stream_mode="step"
-        )
-    )
-    engine = loop.start_engine()
-    loop.serve(events.append)
-    try:
-        for i, request_id in enumerate(request_ids):
-            sampling = {"max_tokens": 60, "temperature": 0.9, "top_p": 0.9, "seed": 100 + i, "ignore_eos": True}
-            loop.submit(EngineRequest(request_id, (1, 5, 9, 12, 3, 4 + i), {**sampling, "output_kind": "DELTA"}))
-        deadline = time.monotonic() + 120
-        while not all(_finished(events, r) for r in request_ids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        outputs = [o for e in list(events) if isinstance(e, StepOutputs) for o in e.outputs]
-        tokens = {r: [t for o in outputs if o.request_id == r for t in o.outputs[0].token_ids] for r in request_ids}
-        return tokens, engine.scheduler[0].num_cumulative_preemption
-    finally:
-        loop.stop()
+    sampling = {"max_tokens": 60, "temperature": 0.9, "top_p": 0.9, "ignore_eos": True, "output_kind": "DELTA"}
+    batch = [
+        EngineRequest(request_id, (1, 5, 9, 12, 3, 4 + i), {**sampling, "seed": 100 + i})
+        for i, request_id in enumerate(request_ids)
+    ]
+    steps_out, preemptions = _run_batch(steps, blocks, batch, time_steps=False)
+    outputs = [o for e in steps_out for o in e.outputs]
+    tokens = {r: [t for o in outputs if o.request_id == r for t in o.outputs[0].token_ids] for r in request_ids}
+    return tokens, preemptions
 
 
 @pytest.mark.parametrize("steps", [8])  # steps 1 measured the same; one engine pair keeps the worker small

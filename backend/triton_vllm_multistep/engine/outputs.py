@@ -19,11 +19,14 @@ from typing import Any
 from triton_vllm_multistep.engine.events import Completion, EngineOutput, RequestTimes, TokenLogprob
 
 
+def plain_step(step: dict[int, Any]) -> dict[int, TokenLogprob]:
+    """One position's vLLM {token id: Logprob} → the same with TokenLogprobs."""
+    return {token: TokenLogprob(lp.logprob, lp.rank, lp.decoded_token) for token, lp in step.items()}
+
+
 def plain_logprobs(logprobs: Iterable[dict[int, Any]]) -> list[dict[int, TokenLogprob]]:
     """vLLM's per-token {token id: Logprob} → the same with TokenLogprobs."""
-    return [
-        {token: TokenLogprob(lp.logprob, lp.rank, lp.decoded_token) for token, lp in step.items()} for step in logprobs
-    ]
+    return [plain_step(step) for step in logprobs]
 
 
 def plain_output(output: Any) -> EngineOutput:
@@ -56,10 +59,7 @@ def plain_output(output: Any) -> EngineOutput:
 def plain_prompt_logprobs(logprobs: Iterable[dict[int, Any] | None]) -> list[dict[int, TokenLogprob] | None]:
     """vLLM's prompt logprobs (None for the first prompt token; V1's flat form yields {} there) → the
     same with TokenLogprobs."""
-    return [
-        None if not step else {token: TokenLogprob(lp.logprob, lp.rank, lp.decoded_token) for token, lp in step.items()}
-        for step in logprobs
-    ]
+    return [plain_step(step) if step else None for step in logprobs]
 
 
 def first_token_time(metrics: Any) -> float | None:
