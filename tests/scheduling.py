@@ -30,7 +30,12 @@ MODULE_SECONDS_FILE = Path(__file__).with_name("module_seconds.json")
 SESSION_SERVER_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
     "smollm2-server": (
         "smollm2_lora_server",
-        ("tests/e2e/test_real_model.py", "tests/e2e/test_lora_real_model.py", "tests/e2e/test_openai_served.py"),
+        (
+            "tests/e2e/test_real_model.py",
+            "tests/e2e/test_lora_real_model.py",
+            "tests/e2e/test_openai_served.py",
+            "tests/e2e/test_embeddings_served.py",
+        ),
     ),
     "tiny-server": (
         "server",

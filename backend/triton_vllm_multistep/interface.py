@@ -53,6 +53,13 @@ RETURN_PERF_METRICS = "return_perf_metrics"
 # request parameter of that name: Triton's own scheduler's priority).
 PRIORITY = "priority"
 PRIORITY_FIELD = "priority"
+# An embedding model's request (Triton's vLLM backend r25.11+): a JSON object {"input": text or a list
+# of token ids, "pooling_params": {"dimensions": [N]}}; one FINAL response, the embedding as the JSON
+# list of its floats in `text_output`. A request with it is an 'embed' request, any other a 'generate' one.
+EMBEDDING_REQUEST = "embedding_request"
+EMBEDDING_INPUT_FIELD = "input"
+POOLING_PARAMS_FIELD = "pooling_params"
+DIMENSIONS_FIELD = "dimensions"
 RETURN_FLAGS = (
     RETURN_FINISH_REASON,
     RETURN_CUMULATIVE_LOGPROB,
@@ -102,6 +109,7 @@ INPUTS = (
     # text-only model refuses it per request.
     Tensor(IMAGE_INPUT, "TYPE_STRING", (-1,)),
     Tensor(PRIORITY, "TYPE_INT32", (1,)),
+    Tensor(EMBEDDING_REQUEST, "TYPE_STRING", (1,)),
 )
 OUTPUTS = (
     Tensor(TEXT_OUTPUT, "TYPE_STRING", (-1,)),
@@ -148,6 +156,16 @@ STREAM_WITH_PROMPT_MESSAGE = (
 )
 # A `lora_name` sent to a model without LoRA (their src/model.py `_verify_loras`).
 LORA_OFF_MESSAGE = "LoRA feature is not enabled."
+# What a model serves, in vLLM's task names: generation, or embeddings (an embedding model's pooling).
+GENERATE_TASK = "generate"
+EMBED_TASK = "embed"
+SERVED_TASKS = (GENERATE_TASK, EMBED_TASK)  # every task this backend serves, on either engine
+
+
+def unsupported_task_message(model_name: str, task: str) -> str:
+    """An 'embed' request (one with `embedding_request`) to a generative model, or a 'generate' one (any
+    other) to an embedding model: their src/model.py's words, whole."""
+    return f"Error generating stream: Model {model_name} does not support '{task}' request"
 
 
 def image_file(image: Any, image_format: str = "PNG") -> bytes:

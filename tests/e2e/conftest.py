@@ -39,6 +39,9 @@ from served_models import (
 
 from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, free_ports, start_ready_server
 
+# The session servers started on this worker, by fixture name (stopped at their unit's end).
+_SESSION_SERVERS: dict[str, ServerProcess] = {}
+
 
 def _add_variant(repository: Path, name: str, overrides: dict) -> None:
     parameters = {"stream_mode": "window"} if name == "vllm_model_window" else None
@@ -80,6 +83,8 @@ def model_repository(tmp_path_factory: pytest.TempPathFactory, demo_model_paths:
     repository = tmp_path_factory.mktemp("model_repository")
     shutil.rmtree(repository)
     shutil.copytree(SHIPPED_REPOSITORY, repository)
+    # The embedding model is served by the SmolLM2 server (the README's repository): one engine less here.
+    shutil.rmtree(repository / "embedding_model")
     use_tiny_model(repository)
     for name, overrides in LLM_VARIANTS.items():
         _add_variant(repository, name, overrides)
@@ -92,6 +97,7 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     """One real tritonserver (via the launcher) for every end-to-end test of the session."""
     log_dir = tmp_path_factory.mktemp("server-log")
     handle, _ = start_ready_server(model_repository, log_dir / "tritonserver.log")
+    _SESSION_SERVERS["server"] = handle
     try:
         yield handle
     finally:
@@ -115,6 +121,7 @@ def smollm2_lora_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
     with serving(repository, root / "tritonserver.log", *args, "--load-model=*") as server:
         # Raises with the log if the launcher stops instead (it does when the OpenAI server exits).
         server.wait_openai_ready()
+        _SESSION_SERVERS["smollm2_lora_server"] = server
         yield server
 
 
@@ -170,6 +177,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     last = users[-1]
     kept = [item for item in items[: last + 1] if item not in stoppers]
     items[:] = kept + stoppers + [item for item in items[last + 1 :] if item not in stoppers]
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """A session server stops once the last test of its unit (tests/scheduling.py) has run: its
+    unit's modules run one after another on one worker, and nothing after them uses it; left running
+    to the session's end it held ~10 GB (the SmolLM2 server) beside everything the worker ran next,
+    which put the 24 GB host into the OOM killer (measured: 0.8 GB left, then a killed engine)."""
+    unit = scheduling.unit_of(item.nodeid)
+    if unit not in scheduling.SESSION_SERVER_UNITS:
+        return
+    if nextitem is not None and scheduling.unit_of(nextitem.nodeid) == unit:
+        return
+    fixture, _ = scheduling.SESSION_SERVER_UNITS[unit]
+    server = _SESSION_SERVERS.pop(fixture, None)
+    if server is not None:
+        server.stop()
 
 
 def _check_session_server_units(items: list[pytest.Item]) -> None:

@@ -1,4 +1,5 @@
-"""Reference answers outside Triton for the end-to-end tier: offline vLLM, transformers, merged LoRA.
+"""Reference answers outside Triton for the end-to-end tier: offline vLLM, transformers, merged LoRA,
+sentence-transformers (the embedding model).
 
 Computed once per session, before any server starts (the `references` fixture, conftest.py), in one
 offline vLLM engine and one transformers model per demo model, and cached on disk under the
@@ -50,6 +51,15 @@ TINY_GREEDY = {"temperature": 0, "max_tokens": TINY_MAX_TOKENS, "ignore_eos": Tr
 # Prompt logprobs (test_sampling_exactness.py): the first tiny prompt's, its top 3 per position.
 TINY_PROMPT_LOGPROBS = {"temperature": 0, "max_tokens": 4, "ignore_eos": True, "prompt_logprobs": 3}
 
+# The embedding model (test_embeddings_served.py, test_v1_served.py): sentence-transformers' own encode.
+EMBEDDER = "all-minilm-l6-v2"
+EMBEDDING_TEXTS = (
+    "The food was delicious and the waiter...",  # Triton's OpenAI front end's embedding test
+    "你好 世界 🚀 café",
+    "a",
+    "Multi-step scheduling streams every decoded step; an embedding model pools its prompt once. " * 6,
+)
+
 # Triton's vLLM backend, ci/L0_backend_vllm/accuracy_test/accuracy_test.py (r25.01-r25.10):
 # GUIDED_PROMPTS, SAMPLING_PARAMETERS and the guided_decoding it adds, per branch
 # (test_sampling_exactness.py, on the tiny byte-level model).
@@ -87,6 +97,9 @@ class References:
     # offline vLLM's prompt logprobs of TINY_PROMPTS[0] with TINY_PROMPT_LOGPROBS (tiny BPE model):
     # per position {token id (text): logprob}, None for the first
     tiny_prompt_logprobs: list[dict[str, float] | None]
+    # sentence-transformers' embedding (normalized, float32 values) per EMBEDDING_TEXTS, and its token ids
+    embeddings: list[list[float]]
+    embedding_ids: list[list[int]]
 
 
 def cache_folder() -> Path:
@@ -214,6 +227,16 @@ def _merged_lora(folder: Path, adapter_dir: Path, ids: list[int]) -> list[int]:
     return lora.greedy_ids(lora.merged_model(folder, adapter_dir), ids, LORA_MAX_TOKENS, stop_at_eos=True)
 
 
+def _sentence_transformers(folder: Path, texts: list[str]) -> list[list[float]]:
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(folder), device="cpu")
+    vectors = [vector.tolist() for vector in model.encode(texts, convert_to_numpy=True)]
+    del model
+    gc.collect()
+    return vectors
+
+
 def compute_all() -> References:
     """Every reference, from the cache where it is there, else computed (one engine per model). One
     process at a time (xdist's workers): the second waits, then reads what the first computed."""
@@ -266,6 +289,19 @@ def _compute_all() -> References:
             "transformers", [folder], {"prompt": TINY_PROMPTS[0], "tokens": TINY_MAX_TOKENS},
             lambda folder=folder: _hf_tiny(folder, TINY_PROMPTS[0], TINY_MAX_TOKENS),
         )  # fmt: skip
+    embedder = demo_models.build(EMBEDDER).resolve()
+    embedding_ids = [AutoTokenizer.from_pretrained(embedder).encode(text) for text in EMBEDDING_TEXTS]
+    embeddings = cached("sentence-transformers", [embedder],
+                        {"texts": EMBEDDING_TEXTS, "version": metadata.version("sentence-transformers")},
+                        lambda: _sentence_transformers(embedder, list(EMBEDDING_TEXTS)))  # fmt: skip
     return References(
-        real_offline, real_hf, lora_merged, tiny_offline, tiny_hf_first, their_guided, tiny_prompt_logprobs
+        real_offline,
+        real_hf,
+        lora_merged,
+        tiny_offline,
+        tiny_hf_first,
+        their_guided,
+        tiny_prompt_logprobs,
+        embeddings,
+        embedding_ids,
     )

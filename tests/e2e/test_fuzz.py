@@ -20,7 +20,7 @@ from private_servers import make_repository, metric, model_ready, scrape
 from triton_clients import StreamResult, grpc_generate, make_inputs
 from tritonclient.utils import InferenceServerException
 
-from triton_vllm_multistep.testing.local_server import ServerProcess, start_server
+from triton_vllm_multistep.testing.local_server import ServerProcess, start_ready_server
 
 MODEL = "vllm_model_limited"
 LIMITS = {"max_prompt_tokens": 32, "max_tokens_limit": 16, "max_n": 2, "max_request_bytes": 4096}
@@ -33,14 +33,14 @@ def limited_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: d
     root = tmp_path_factory.mktemp("limits")
     parameters = {key: str(value) for key, value in LIMITS.items()} | {"enable_metrics": "false"}
     repository = make_repository(root, {MODEL: {"parameters": parameters}})
-    handle = start_server(
+    handle, _ = start_ready_server(  # started again on other ports if one was taken meanwhile
         repository,
         root / "tritonserver.log",
         f"--grpc-restricted-protocol=model-repository,shared-memory:{ADMIN_HEADER}={ADMIN_KEY}",
         f"--http-restricted-api=model-repository,shared-memory:{ADMIN_HEADER}={ADMIN_KEY}",
+        timeout=600,
     )
     try:
-        handle.wait_ready(timeout=600)
         yield handle
     finally:
         handle.stop()

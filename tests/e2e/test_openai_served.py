@@ -78,7 +78,8 @@ def test_the_models_are_listed_by_their_triton_names_with_their_adapters(client:
     listed = {model.id: model for model in client.models.list()}
     adapters = {f"{model}_lora_{adapter}": model for model in (LLM_MODEL, STEPS1) for adapter in ("pirate", "shout")}
     # Both models have `pirate` and `shout`: the adapters' own names are not unique, so not served.
-    assert set(listed) == {LLM_MODEL, STEPS1} | set(adapters)
+    # The shipped repository's embedding model too (test_embeddings_served.py).
+    assert set(listed) == {LLM_MODEL, STEPS1, "embedding_model"} | set(adapters)
     assert all(listed[name].parent == base for name, base in adapters.items())  # vLLM lists an adapter with its base
     with pytest.raises(openai.NotFoundError):
         _chat(client, "pirate", max_tokens=4)

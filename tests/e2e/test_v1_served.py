@@ -79,6 +79,7 @@ V1_BIASED_LORA = "llm_v1_biased_lora"  # multi_lora.json names an adapter with a
 V1_IMAGES = "llm_v1_images"  # the tiny LLaVA demo model on V1
 V1_SMALL_CACHE = "llm_v1_small_cache"
 V1_PRIORITY = "llm_v1_priority"  # scheduling_policy "priority", one sequence at a time
+EMBEDDING_MODEL, V1_EMBEDDING = "embedding_model", "embedding_v1"  # the shipped embedding model, on V1
 V1_LORA_ENGINE = {**V1_ENGINE, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
 LORA_NAMES = ("doll", "sheep")  # multi_lora.json's order: lora_int_id 1, 2
 SHIPPED_MODEL = REPO_ROOT / "model_repository" / "vllm_model"
@@ -102,7 +103,11 @@ def v1_python() -> Path:
 
 
 @pytest.fixture(scope="module")
-def v1_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> Iterator[ServerProcess]:
+def v1_server(
+    tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict, reference: dict
+) -> Iterator[ServerProcess]:
+    """The V1 models' server; started once `vllm serve`'s reference answers are in and its server is
+    gone (the two side by side cost ~3 GB more at once)."""
     root: Path = tmp_path_factory.mktemp("v1_served")
     smollm3_engine = {**V1_ENGINE, "model": str(smollm3.build(v1_python()))}
     readme_made = readme_repository(README_REPOSITORY, root / "readme_v1_repository")
@@ -139,7 +144,12 @@ def v1_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) 
     copy_model(SHIPPED_MODEL, repository / V1_SMALL_CACHE, {**TINY_ENGINE, **small_cache}, {"vllm_engine": "v1"})
     priority = {**V1_ENGINE, "scheduling_policy": "priority", "max_num_seqs": 1}
     copy_model(SHIPPED_MODEL, repository / V1_PRIORITY, {**TINY_ENGINE, **priority}, {"vllm_engine": "v1"})
-    loaded = (V1, SMOLLM3, README_MODEL, V1_LORA)
+    # The shipped embedding model on V1 (vLLM 0.32 finds an embedding model itself: no `task`), loaded by its test.
+    copy_model(REPO_ROOT / "model_repository" / EMBEDDING_MODEL, repository / V1_EMBEDDING,
+               {"task": None, "enforce_eager": True}, {"vllm_engine": "v1"})  # fmt: skip
+    # The README's model (SmolLM2 on V1, ~3 GB of processes) is loaded by its test only: beside the
+    # SmolLM2 server of the other worker it brought the host within 1 GB of its memory.
+    loaded = (V1, SMOLLM3, V1_LORA)
     args = ("--model-control-mode=explicit", *(f"--load-model={m}" for m in loaded))
     with serving(repository, root / "tritonserver.log", *args) as server:
         yield server
@@ -324,14 +334,21 @@ def test_the_readmes_v1_model_answers_its_client_command_as_vllm_serve_does(v1_s
     log = v1_server.log_path.parent / "vllm_serve_smollm2.log"
     with vllm_serve.serving(v1_python(), fields, README_MODEL, log, {"VLLM_CPU_KVCACHE_SPACE": "1"}) as server:
         _, answer, _ = server.completion(prompt, {"max_tokens": 32, "temperature": 0.0}, stream=False)
-    done = subprocess.run(
-        [sys.executable, "client_examples/grpc_stream.py", prompt, "--url", v1_server.grpc_url],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd=REPO_ROOT,
-    )
+    # Loaded once `vllm serve` is gone (both at once: ~6 GB of SmolLM2 processes), unloaded after.
+    with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
+        client.load_model(README_MODEL)
+    try:
+        done = subprocess.run(
+            [sys.executable, "client_examples/grpc_stream.py", prompt, "--url", v1_server.grpc_url],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+            cwd=REPO_ROOT,
+        )
+    finally:
+        with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
+            client.unload_model(README_MODEL)
     assert done.returncode == 0, done.stderr
     assert done.stdout == answer + "\n"
     assert answer.strip()
@@ -623,3 +640,45 @@ def test_a_v1_engine_core_that_dies_fails_its_requests_and_its_model_alone_and_t
 def vllm_core_processes(engine: Any) -> list[Any]:
     """vLLM's engine core below a V1 engine process (not multiprocessing's resource tracker)."""
     return [child for child in engine.children() if "resource_tracker" not in " ".join(child.cmdline())]
+
+
+def test_the_embedding_model_on_v1_gives_sentence_transformers_embedding(
+    v1_server: ServerProcess, references: Any
+) -> None:
+    """The shipped embedding model with `vllm_engine: v1` (no `task`: vLLM 0.32 finds it): Triton's vLLM
+    backend's `embedding_request`, text tokenized in the V1 environment and token ids, one FINAL
+    response each, equal to sentence-transformers' encode; its requests refused alone in the words of
+    both engines (a generation request; `dimensions` for a model not trained for them: V1's vLLM)."""
+    import numpy as np
+    from references import EMBEDDING_TEXTS
+
+    with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
+        client.load_model(V1_EMBEDDING)
+    try:
+        for text, ids, expected in zip(EMBEDDING_TEXTS, references.embedding_ids, references.embeddings, strict=True):
+            for prompt in (text, ids):
+                result = grpc_generate(
+                    v1_server.grpc_url, V1_EMBEDDING, embedding_request={"input": prompt},
+                    return_num_input_tokens=True, return_num_output_tokens=True,
+                )  # fmt: skip
+                assert result.error is None and result.finals == 1 and len(result.responses) == 1, result.error
+                (response,) = result.responses
+                found = np.array(json.loads(response["text_output"][0]), dtype=np.float32)
+                np.testing.assert_allclose(found, expected, rtol=0, atol=1e-6)
+                assert response["num_input_tokens"].tolist() == [len(ids)]
+                assert response["num_output_tokens"].tolist() == [0]
+        generate = grpc_generate(v1_server.grpc_url, V1_EMBEDDING, prompt="hi")
+        assert generate.error is not None and generate.error.endswith(
+            f"Error generating stream: Model {V1_EMBEDDING} does not support 'generate' request"
+        ), generate.error
+        shorter = grpc_generate(
+            v1_server.grpc_url, V1_EMBEDDING, embedding_request={"input": "hi", "pooling_params": {"dimensions": [8]}}
+        )
+        assert shorter.error is not None and "matryoshka" in shorter.error.lower(), shorter.error
+        # A V1 LLM still loaded at this point of the module (llm_v1 is unloaded by the drain test).
+        embed_to_llm = grpc_generate(v1_server.grpc_url, SMOLLM3, embedding_request={"input": [1, 2, 3]})
+        assert embed_to_llm.error is not None, embed_to_llm
+        assert f"Model {SMOLLM3} does not support 'embed' request" in embed_to_llm.error, embed_to_llm.error
+    finally:
+        with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
+            client.unload_model(V1_EMBEDDING)

@@ -23,7 +23,7 @@ from triton_clients import grpc_generate, make_inputs
 from tritonclient.utils import InferenceServerException
 
 from triton_vllm_multistep.testing.faults import server_environment
-from triton_vllm_multistep.testing.local_server import ServerProcess, start_server
+from triton_vllm_multistep.testing.local_server import ServerProcess, start_ready_server
 
 THEIRS = "vllm_opt"  # their sample model's name
 # Their sample model.json, with the demo model for facebook/opt-125m (no hub here).
@@ -94,16 +94,17 @@ def compat_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: di
     for name, (engine, config_text) in MODELS.items():
         write_model(repository, name, engine, config_text)
     fault_file = root / "engine-fault"
-    handle = start_server(
+    # start_ready_server starts again on other ports when one was taken meanwhile (seen once).
+    handle, _ = start_ready_server(
         repository,
         root / "tritonserver.log",
         "--model-control-mode=explicit",
         f"--load-model={THEIRS}",
         env=server_environment(fault_file),
+        timeout=600,
     )
     handle.fault_file = fault_file  # type: ignore[attr-defined]
     try:
-        handle.wait_ready(timeout=600)
         yield handle
     finally:
         handle.stop()

@@ -72,10 +72,17 @@ def make_inputs(
     input_ids: list[int] | None = None,
     sampling: dict | str | None = None,
     priority: int | None = None,
+    embedding_request: dict | str | None = None,
     **flags: bool,
 ) -> list[Any]:
-    """InferInputs for the LLM model; `module` is tritonclient.grpc or tritonclient.grpc.aio."""
+    """InferInputs for the LLM model (or an embedding model: `embedding_request`, its JSON or the object);
+    `module` is tritonclient.grpc or tritonclient.grpc.aio."""
     inputs = []
+    if embedding_request is not None:
+        body = embedding_request if isinstance(embedding_request, str) else json.dumps(embedding_request)
+        item = module.InferInput("embedding_request", [1], "BYTES")
+        item.set_data_from_numpy(np.array([body.encode("utf-8")], dtype=np.object_))
+        inputs.append(item)
     if priority is not None:
         item = module.InferInput("priority", [1], "INT32")
         item.set_data_from_numpy(np.array([priority], dtype=np.int32))

@@ -43,10 +43,15 @@ def _model_config(path: Path) -> dict[str, Any]:
     return json_format.MessageToDict(message, preserving_proto_field_name=True)
 
 
-def shipped_gpu_configs() -> list[Path]:
-    """config.pbtxt files of this backend's models that are not CPU-only (KIND_CPU everywhere)."""
+def shipped_gpu_configs(embedding: bool = False) -> list[Path]:
+    """config.pbtxt files of this backend's models that are not CPU-only (KIND_CPU everywhere): the
+    generative ones, or with `embedding` the embedding models' (model.json task "embed")."""
     found = []
     for model_dir in sorted(p for p in REPOSITORY.iterdir() if p.is_dir()):
+        engine_json = model_dir / "1" / "model.json"
+        task = json.loads(engine_json.read_text()).get("task") if engine_json.is_file() else None
+        if (task == "embed") != embedding:
+            continue
         for path in [model_dir / "config.pbtxt", *sorted((model_dir / "configs").glob("*.pbtxt"))]:
             if not path.exists():
                 continue
@@ -117,6 +122,30 @@ def test_every_shipped_gpu_config_gets_an_engine_config_vllms_multi_step_runner_
         assert vllm_config.parallel_config.worker_cls == gpu_worker.WORKER_QUALNAME
         assert chosen_attention_backend(vllm_config) in ("FLASH_ATTN", "FLASHINFER")
         _vllm_multi_step_runner(vllm_config)  # accepted: no ValueError
+
+
+@pytest.mark.parametrize("path", shipped_gpu_configs(embedding=True), ids=lambda p: str(p.relative_to(REPOSITORY)))
+def test_every_shipped_embedding_gpu_config_builds_vllms_own_one_step_pooling_engine(
+    monkeypatch: pytest.MonkeyPatch, path: Path
+) -> None:
+    """An embedding model on GPU: vLLM's own engine at one step (no multi-step worker or scheduler of
+    ours), its pooling model runner, vLLM's GPU dtype choice."""
+    args, _ = _engine_args(path)
+    assert args.task == "embed" and args.num_scheduler_steps == 1
+    built: list[EngineArgs] = []
+    monkeypatch.setattr(
+        factory.LLMEngine,
+        "from_engine_args",
+        classmethod(lambda cls, engine_args, **_: built.append(engine_args) or types.SimpleNamespace(scheduler=[])),
+    )
+    with simulated_cuda():
+        factory._build_engine(args, "step")
+        (sent,) = built
+        vllm_config = sent.create_engine_config()
+        assert vllm_config.device_config.device.type == "cuda" and vllm_config.model_config.runner_type == "pooling"
+        assert vllm_config.scheduler_config.num_scheduler_steps == 1 and not vllm_config.scheduler_config.is_multi_step
+        assert vllm_config.parallel_config.worker_cls == "vllm.worker.worker.Worker"
+        assert str(vllm_config.model_config.dtype) == "torch.float16"
 
 
 def test_float32_is_refused_at_load_naming_the_setting_and_vllm_would_refuse_it_too(

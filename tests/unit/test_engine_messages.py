@@ -60,6 +60,7 @@ def _messages() -> list[Any]:
         attention_kernels="PyTorch SDPA",
         max_loras=2,
         images_per_prompt=1,
+        tasks=("embed",),
     )
     completion = Completion(
         1,
@@ -97,6 +98,8 @@ def _messages() -> list[Any]:
             (b"\x89PNG\r\n\x1a\n...", b"GIF89a..."),
         ),
         EngineRequest("req-2", (3,)),
+        # An embedding request: pooling fields, a text the engine tokenizes, a priority.
+        EngineRequest("embed-1", (), prompt_text="hello", priority=-1, pooling={"dimensions": 8}),
         process.Abort("req-1"),
         process.Serve(0.25, True, True),
         process.Stop(),
@@ -120,6 +123,7 @@ def _messages() -> list[Any]:
             new_window=True,
             unreturned={"req-2": (10, 1)},
         ),
+        StepOutputs([EngineOutput("embed-1", [], True, 4, embedding=[0.25, -0.5, 1e-08])], 0.001),
         RequestFailed("req-3", "the image prompt cannot be processed: ValueError: no placeholder"),
         EngineDied("vLLM engine failed: RuntimeError: boom", ["req-1", "req-2"]),
         KvCacheStats(10, 16, 1, 0, 0.5, "alpha", "alpha,beta"),

@@ -39,7 +39,7 @@ def test_auto_complete_adds_what_is_missing_and_keeps_what_is_there() -> None:
     assert inputs["text_input"] is own_text_input  # not replaced
     assert [spec["name"] for spec in completed["input"]].count("text_input") == 1
     request_inputs = {"text_input", "input_ids", "image", "stream", "sampling_parameters", "exclude_input_in_output"}
-    assert set(inputs) == request_inputs | {"priority"} | set(codec.RETURN_FLAGS)
+    assert set(inputs) == request_inputs | {"priority", "embedding_request"} | set(codec.RETURN_FLAGS)
     assert all(spec["optional"] for name, spec in inputs.items() if name != "text_input")
     assert inputs["input_ids"]["data_type"] == "TYPE_INT32" and inputs["stream"]["data_type"] == "TYPE_BOOL"
     assert set(outputs) == {

@@ -48,3 +48,15 @@ def test_a_port_in_use_is_never_chosen(tmp_path, monkeypatch) -> None:
 def test_missing_range_file_falls_back_to_linux_default(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(local_server, "EPHEMERAL_RANGE_FILE", tmp_path / "absent")
     assert local_server.ephemeral_port_range() == (32768, 60999)
+
+
+def test_the_choice_does_not_follow_the_random_modules_seed() -> None:
+    """Two workers whose global generator an in-process vLLM engine seeded alike (its seed 0) chose the
+    same ports for their next servers: the choice comes from the OS's randomness instead."""
+    import random
+
+    choices = []
+    for _ in range(2):
+        random.seed(0)
+        choices.append(local_server.free_ports(3))
+    assert choices[0] != choices[1]

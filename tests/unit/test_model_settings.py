@@ -118,6 +118,20 @@ def test_before_model_files_sees_the_backend_settings_before_any_model_is_resolv
         ({"model": "m"}, {"engine_args": "{dtype"}, None, "parameter 'engine_args' is not valid JSON"),
         ({"model": "m", "enable_lora": True}, {}, None, r"Triton backend cannot find .*multi_lora\.json"),
         ({"model": "m", "enable_lora": True}, {}, {"ghost": "ghost"}, "adapter 'ghost': no folder at"),
+        # An embedding model has no decode steps: a step count beside "embed" names both.
+        (
+            {"model": "m", "task": "embed", "num_scheduler_steps": 1},
+            {},
+            None,
+            "'task'=\"embed\" and 'num_scheduler_steps'=1",
+        ),
+        ({"model": "m", "task": "classify"}, {}, None, "'task' must be one of auto, generate, embed .* got 'classify'"),
+        (
+            {"model": "m", "task": "embed"},
+            {"vllm_engine": "v1"},
+            None,
+            "'vllm_engine'='v1' and model.json 'task'=\"embed\"",
+        ),
     ],
 )
 def test_each_load_error_is_a_config_error_naming_the_field(
@@ -126,6 +140,15 @@ def test_each_load_error_is_a_config_error_naming_the_field(
     folder = _model_folder(tmp_path, model_json, adapters)
     with pytest.raises(ConfigError, match=message):
         read_model_settings(folder, "1", _config(**parameters))
+
+
+def test_an_embedding_model_gets_no_multi_step_defaults(tmp_path: Path) -> None:
+    folder = _model_folder(tmp_path, {"model": "m", "task": "embed"})
+    model = read_model_settings(folder, "1", _config(stream_mode="window"))
+    assert "num_scheduler_steps" not in model.engine_args and "multi_step_stream_outputs" not in model.engine_args
+    assert engine_args_of(model).num_scheduler_steps == 1  # vLLM's own default
+    generative = read_model_settings(_model_folder(tmp_path / "g", {"model": "m", "task": "generate"}), "1", _config())
+    assert generative.engine_args["num_scheduler_steps"] == 8
 
 
 def test_engine_args_of_the_settings_checks_vllms_fields_then_builds(tmp_path: Path) -> None:

@@ -25,14 +25,14 @@ def test_units_run_unit_tier_first_then_heaviest_first_with_unmeasured_ones_at_t
     seconds = {
         "tests/unit/test_a.py": 1.0,
         "tests/engine/test_b.py": 50.0,
-        "tests/e2e/test_c.py": 200.0,
+        "tests/e2e/test_c.py": 300.0,
         "tests/e2e/test_real_model.py": 60.0,
         "tests/e2e/test_openai_served.py": 60.0,
     }
     units = ["tests/unit/test_z.py", "tests/e2e/test_new.py", "tests/engine/test_b.py",
              "smollm2-server", "tests/unit/test_a.py", "tests/e2e/test_c.py"]  # fmt: skip
     order = scheduling.unit_order(units, seconds)
-    # The SmolLM2 unit weighs its three modules: 60 + 60 + the median (60) = 180.
+    # The SmolLM2 unit weighs its four modules: 60 + 60 + the median (60) twice = 240.
     assert order == ["tests/unit/test_z.py", "tests/unit/test_a.py", "tests/e2e/test_c.py",
                      "smollm2-server", "tests/e2e/test_new.py", "tests/engine/test_b.py"]  # fmt: skip
     assert scheduling.unit_order(["b", "a"], {}) == ["b", "a"]  # nothing measured: the order given

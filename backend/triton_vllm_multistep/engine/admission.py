@@ -18,6 +18,7 @@ from typing import Any
 
 from vllm.engine.llm_engine import LLMEngine
 from vllm.lora.request import LoRARequest
+from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 
 from triton_vllm_multistep.engine.constraints import ConstraintBuilder
@@ -41,9 +42,23 @@ def sampling_params(sampling: Mapping[str, Any]) -> SamplingParams:
     return SamplingParams(**fields)
 
 
+def pooling_params(pooling: Mapping[str, Any], model_config: Any) -> PoolingParams:
+    """vLLM's PoolingParams from an EngineRequest's `pooling` fields, checked against the model as
+    vLLM's OpenAI server checks them (`dimensions` only for a model trained for it, matryoshka):
+    ValueError in vLLM's words."""
+    params = PoolingParams(**pooling)
+    params.verify(model_config)
+    return params
+
+
 def lora_request(adapter: tuple[str, int, str] | None) -> LoRARequest | None:
     """vLLM's LoRARequest for an EngineRequest's adapter (name, lora_int_id, path); None: the base model."""
     return None if adapter is None else LoRARequest(*adapter)
+
+
+def _constraint(item: Admission) -> GuidedDecodingParams | None:
+    """A generation request's structured-output constraint (an embedding request has none)."""
+    return getattr(item.params, "guided_decoding", None)
 
 
 @dataclass
@@ -52,7 +67,7 @@ class Admission:
 
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams: an embedding request
     lora_request: LoRARequest | None = None
     images: tuple[bytes, ...] = ()  # encoded image files for the prompt's placeholders, in order
     processed: Any = None  # vLLM's processed inputs of an image prompt (engine/multimodal.py)
@@ -90,10 +105,15 @@ class Admissions:
         """Build the request's vLLM objects and queue it for the engine thread, through its
         preparation threads if it needs them."""
         try:
+            pooling = None if request.pooling is None else pooling_params(request.pooling, self._engine().model_config)
+        except ValueError as error:  # what the model cannot do, in vLLM's words
+            self._refuse(request.request_id, str(error))
+            return
+        try:
             item = Admission(
                 request.request_id,
                 list(request.prompt_token_ids),
-                sampling_params(request.sampling),
+                sampling_params(request.sampling) if pooling is None else pooling,
                 lora_request(request.adapter),
                 tuple(request.images),
                 priority=request.priority,
@@ -103,7 +123,7 @@ class Admissions:
             return
         with self._lock:
             self._pending[item.request_id] = item
-        if item.images or item.params.guided_decoding is not None:
+        if item.images or _constraint(item) is not None:
             self._prepare(item)
             return
         self._ready.append(item)
@@ -153,11 +173,11 @@ class Admissions:
                 self._image_processed,
                 self._refused,
             )
-        elif item.params.guided_decoding is not None:
+        elif _constraint(item) is not None:
             with self._lock:
                 if self._builder is None:
                     self._builder = ConstraintBuilder(self._engine(), self.constraint_failures)
-            self._builder.submit(item.request_id, item.params, self._constraint_built, self._refused)
+            self._builder.submit(item.request_id, item.params, self._constraint_built, self._refused)  # type: ignore[arg-type]
         else:
             # Prepared: the engine thread admits it, or drops it if it was aborted meanwhile.
             self._ready.append(item)

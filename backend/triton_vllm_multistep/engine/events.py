@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
+from triton_vllm_multistep.interface import GENERATE_TASK
+
 # How a multi-step engine hands out tokens: after every decoded step, or once per scheduling
 # window. The name and values of the `stream_mode` config.pbtxt parameter (vLLM's own name for
 # it is `multi_step_stream_outputs`, True for "step").
@@ -45,6 +47,9 @@ class EngineRequest:
     # tokenizer lives in the V1 environment only (engine_v1/process.py checks its length).
     prompt_text: str | None = None
     priority: int = 0  # vLLM's request priority (lower first; only with scheduling_policy "priority")
+    # An embedding request: vLLM's PoolingParams fields as JSON values (`sampling` is then empty and
+    # the engine pools the prompt instead of generating); None: a generation request.
+    pooling: Mapping[str, Any] | None = None
 
 
 EMPTY_PROMPT_MESSAGE = "the prompt has no tokens: 'text_input' or 'input_ids' is empty"
@@ -122,6 +127,9 @@ class EngineOutput(NamedTuple):
     # With `prompt_logprobs` asked: per prompt token (None for the first, as vLLM) its candidates,
     # in the request's first output only.
     prompt_logprobs: list[dict[int, TokenLogprob] | None] | None = None
+    # An embedding request's result (vLLM's PoolingOutput data as floats): its one, finished output,
+    # with no completions.
+    embedding: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +205,8 @@ class EngineFacts:
     scheduling_policy: str = "fcfs"  # vLLM's scheduler policy: "fcfs" or "priority"
     # vLLM's CacheConfig.metrics_info() (field → text): the labels of vllm:cache_config_info.
     cache_config: tuple[tuple[str, str], ...] = ()
+    # What requests the model serves: GENERATE_TASK, EMBED_TASK or both (vLLM's task names).
+    tasks: tuple[str, ...] = (GENERATE_TASK,)
 
 
 EngineEvent = StepOutputs | RequestFailed | EngineDied

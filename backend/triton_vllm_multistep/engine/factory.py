@@ -23,6 +23,7 @@ from triton_vllm_multistep.engine.events import STREAM_MODES, EngineBuildError, 
 from triton_vllm_multistep.engine.multimodal import multi_step_refusal, prefix_caching_refusal
 from triton_vllm_multistep.engine.preemption import keep_seeded_generators_across_recompute
 from triton_vllm_multistep.engine.prefix_cache import count_cached_prompt_tokens_on_cpu, count_cached_tokens_afresh
+from triton_vllm_multistep.interface import SERVED_TASKS
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,12 @@ def build_engine(engine_args: EngineArgs, *, stream_mode: StreamMode = "step") -
         raise EngineBuildError(
             f"model.json 'dtype' ({engine_args.dtype!r}) resolves to float16, which vLLM cannot run on CPU: "
             'set "dtype": "float32" or "bfloat16"'
+        )
+    if engine.model_config.task not in SERVED_TASKS:
+        engine.model_executor.shutdown()
+        raise EngineBuildError(
+            f"{engine.model_config.model} resolves to vLLM's task {engine.model_config.task!r}, which this backend "
+            f"does not serve (it serves {' and '.join(SERVED_TASKS)}): set model.json 'task' to one of them"
         )
     for scheduler in engine.scheduler:
         count_cached_tokens_afresh(scheduler)

@@ -20,6 +20,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import TokensPrompt
 from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
 from vllm.worker.model_runner_base import InputProcessingError
 
 from triton_vllm_multistep.engine.admission import Admissions
@@ -39,6 +40,7 @@ from triton_vllm_multistep.engine.multimodal import images_per_prompt
 from triton_vllm_multistep.engine.outputs import plain_outputs
 from triton_vllm_multistep.engine.prefix_cache import prefix_cache_hit_rate
 from triton_vllm_multistep.engine.warmup import preload_adapters, warmed_up
+from triton_vllm_multistep.interface import EMBED_TASK, GENERATE_TASK
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,7 @@ def engine_facts(engine: LLMEngine) -> EngineFacts:
         max_loras=engine.lora_config.max_loras if engine.lora_config else 0,
         scheduling_policy=str(engine.scheduler_config.policy),
         cache_config=tuple(engine.cache_config.metrics_info().items()),
+        tasks=(EMBED_TASK if model.runner_type == "pooling" else GENERATE_TASK,),
     )
 
 
@@ -315,7 +318,7 @@ class EngineLoop:
                 self._sink(RequestFailed(item.request_id, str(error) or type(error).__name__))
             else:
                 self._in_engine.add(item.request_id)
-                if item.params.n > (item.params._real_n or item.params.n):
+                if isinstance(item.params, SamplingParams) and item.params.n > (item.params._real_n or item.params.n):
                     self._remember_candidates(item.request_id)
 
     def _remember_candidates(self, request_id: str) -> None:

@@ -53,6 +53,14 @@ def multi_step_refusal(model_config: ModelConfig, steps: int) -> str | None:
     if steps <= 1:
         return None
     name = model_config.model
+    if model_config.runner_type == "pooling":
+        # model.json without `task` (vLLM's "auto" found an embedding model): the backend's default
+        # num_scheduler_steps came with it; with "task": "embed" no default is set (settings/engine_json.py).
+        return (
+            f"{name} is an embedding model (vLLM's task {model_config.task!r}), which has no decode steps: "
+            f"num_scheduler_steps={steps} (the backend's default unless model.json sets it) cannot apply; set "
+            '"task": "embed" in model.json (and no num_scheduler_steps)'
+        )
     if model_config.uses_mrope:
         reason = _MROPE_REASON.format(model=name)
     elif model_config.is_encoder_decoder:

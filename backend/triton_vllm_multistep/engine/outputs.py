@@ -30,7 +30,9 @@ def plain_logprobs(logprobs: Iterable[dict[int, Any]]) -> list[dict[int, TokenLo
 
 
 def plain_output(output: Any) -> EngineOutput:
-    """One vLLM RequestOutput as the stub reads it."""
+    """One vLLM RequestOutput (or an embedding request's PoolingRequestOutput) as the stub reads it."""
+    if not isinstance(output.outputs, list):  # a PoolingOutput: one tensor, no completions
+        return plain_pooling_output(output)
     prompt = output.prompt_token_ids
     metrics = output.metrics
     return EngineOutput(
@@ -53,6 +55,19 @@ def plain_output(output: Any) -> EngineOutput:
         request_times(output) if output.finished else None,
         # V1's later delta outputs carry [] once its first one took them: none.
         plain_prompt_logprobs(output.prompt_logprobs) if output.prompt_logprobs else None,
+    )
+
+
+def plain_pooling_output(output: Any) -> EngineOutput:
+    """An embedding request's PoolingRequestOutput (vLLM 0.8.5's and V1's: its one, finished output,
+    the embedding a 1-D float32 tensor in `outputs.data`; neither engine keeps its timings)."""
+    prompt = output.prompt_token_ids
+    return EngineOutput(
+        output.request_id,
+        [],
+        output.finished,
+        None if prompt is None else len(prompt),
+        embedding=output.outputs.data.reshape(-1).tolist(),
     )
 
 

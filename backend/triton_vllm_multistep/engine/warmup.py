@@ -76,6 +76,8 @@ def warm_up(
     """
     started = time.perf_counter()
     model_config = engine.model_config
+    if model_config.runner_type == "pooling":
+        return _warm_up_pooling(engine, engine_args, time_budget_s)
     block_size = engine.cache_config.block_size
     steps = max(engine.scheduler_config.num_scheduler_steps, 1)
     max_len = model_config.max_model_len
@@ -121,16 +123,7 @@ def warm_up(
         if missing:
             raise RuntimeError(f"warm-up requests ended without a final output: {sorted(missing)}")
     except Exception as error:
-        for request_id in request_ids:
-            try:
-                engine.abort_request(request_id)
-            except Exception:  # the engine is broken already; the load fails below
-                pass
-        raise EngineWarmupError(
-            "the engine failed its start-up warm-up generation, so the first request would fail the same way: "
-            f"{type(error).__name__}: {error}.{_hint(error)} Engine settings that differ from vLLM's defaults: "
-            f"{_changed_settings(engine_args)}"
-        ) from error
+        raise _failed(engine, request_ids, "generation", error, engine_args) from error
     _forget_warmup_blocks(engine)
     report = WarmupReport(time.perf_counter() - started, num_steps, generated)
     logger.info(
@@ -141,6 +134,54 @@ def warm_up(
         "" if engine.cache_config.enable_prefix_caching else "out",
         steps,
     )
+    return report
+
+
+def _failed(
+    engine: LLMEngine, request_ids: list[str], workload: str, error: Exception, engine_args: EngineArgs | None
+) -> EngineWarmupError:
+    """The warm-up's requests aborted, and the load error saying what failed and with which settings."""
+    for request_id in request_ids:
+        try:
+            engine.abort_request(request_id)
+        except Exception:  # the engine is broken already; the load fails anyway
+            pass
+    return EngineWarmupError(
+        f"the engine failed its start-up warm-up {workload}, so the first request would fail the same way: "
+        f"{type(error).__name__}: {error}.{_hint(error)} Engine settings that differ from vLLM's defaults: "
+        f"{_changed_settings(engine_args)}"
+    )
+
+
+def _warm_up_pooling(engine: LLMEngine, engine_args: EngineArgs | None, time_budget_s: float) -> WarmupReport:
+    """An embedding model's warm-up: two prompts of different lengths pooled in one batch, each
+    output checked to be one finite vector (an embedding model has no decode steps)."""
+    from vllm.pooling_params import PoolingParams
+
+    started = time.perf_counter()
+    vocab = engine.model_config.get_vocab_size()
+    length = max(2, min(16, engine.model_config.max_model_len))
+    prompts = {f"{_REQUEST_PREFIX}-pool-{n}": _token_ids(vocab, n, salt=n) for n in (length, length // 2)}
+    num_steps = 0
+    try:
+        for request_id, prompt in prompts.items():
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), PoolingParams())
+        finished: set[str] = set()
+        while engine.has_unfinished_requests():
+            if time.perf_counter() - started > time_budget_s:
+                raise TimeoutError(f"the warm-up embeddings did not finish within {time_budget_s:.0f} s")
+            for output in engine.step():
+                data = output.outputs.data
+                if output.finished and data.dim() == 1 and bool(data.isfinite().all()):
+                    finished.add(output.request_id)
+            num_steps += 1
+        missing = set(prompts) - finished
+        if missing:
+            raise RuntimeError(f"warm-up embeddings ended without a finite vector: {sorted(missing)}")
+    except Exception as error:
+        raise _failed(engine, list(prompts), "embeddings", error, engine_args) from error
+    report = WarmupReport(time.perf_counter() - started, num_steps, 0)
+    logger.info("engine warm-up: %d prompts embedded in %d steps, %.2f s", len(prompts), num_steps, report.seconds)
     return report
 
 

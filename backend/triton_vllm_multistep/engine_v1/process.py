@@ -38,7 +38,8 @@ from triton_vllm_multistep.engine.events import (
 from triton_vllm_multistep.engine.messages import Abort, Built, EngineSpec, Serve, Stop, Stopped, build_failure, sender
 from triton_vllm_multistep.engine.outputs import plain_outputs
 from triton_vllm_multistep.engine_v1 import cpu_async, cpu_lora, stats
-from triton_vllm_multistep.engine_v1.sampling import UnsupportedOnV1, sampling_params
+from triton_vllm_multistep.engine_v1.sampling import UnsupportedOnV1, pooling_params, sampling_params
+from triton_vllm_multistep.interface import SERVED_TASKS
 
 logger = logging.getLogger(__name__)
 if os.environ.get(cpu_lora.FIX_ENV):  # in vLLM's engine core too: spawned, it imports this module again
@@ -130,6 +131,7 @@ def engine_facts(engine: Any) -> EngineFacts:
         async_scheduling=bool(engine.vllm_config.scheduler_config.async_scheduling),
         scheduling_policy=str(engine.vllm_config.scheduler_config.policy),
         cache_config=tuple(engine.vllm_config.cache_config.metrics_info().items()),
+        tasks=tuple(task for task in SERVED_TASKS if task in engine.get_supported_tasks()),
     )
 
 
@@ -216,7 +218,7 @@ class EngineThread:
 
     def _admit(self, request: EngineRequest) -> None:
         try:
-            params = sampling_params(request.sampling)
+            params = sampling_params(request.sampling) if request.pooling is None else pooling_params(request.pooling)
             lora = None
             if request.adapter is not None:
                 from vllm.lora.request import LoRARequest

@@ -1,5 +1,6 @@
 """The request's plain sampling fields (engine/events.EngineRequest.sampling, vLLM 0.8.5's names)
-→ vLLM V1's SamplingParams, and the V1 engine's refusals of what it no longer has.
+→ vLLM V1's SamplingParams (an embedding request's pooling fields → its PoolingParams), and the V1
+engine's refusals of what it no longer has.
 
 Owns the renames between the two engines' parameters (V0's `guided_decoding` is V1's
 `structured_outputs`) and the errors for fields V1 removed; must not change what a field means.
@@ -51,3 +52,11 @@ def sampling_params(fields: Mapping[str, Any]) -> Any:
     if "structured_outputs" in values:
         values["structured_outputs"] = StructuredOutputsParams(**values["structured_outputs"])
     return SamplingParams(**values)
+
+
+def pooling_params(fields: Mapping[str, Any]) -> Any:
+    """V1's PoolingParams for an embedding request's plain fields (`dimensions`, checked by vLLM against
+    the model when the request is added: only models trained for it may shorten their vector)."""
+    from vllm.pooling_params import PoolingParams
+
+    return PoolingParams(task="embed", **fields)

@@ -2,7 +2,8 @@
 
 Owns building vLLM's app (`build_app`: routes, validation errors, API key, CORS) and its state
 without a vLLM engine: for each model, vLLM's OpenAIServingModels / Chat / Completion /
-Tokenization on that model's TritonEngineClient (what `init_app_state` builds for one engine),
+Tokenization (an embedding model: Embedding instead of Chat / Completion) on that model's
+TritonEngineClient (what `init_app_state` builds for one engine),
 and small dispatchers that hand each request to the set of the model it names.
 """
 
@@ -22,6 +23,7 @@ from vllm.entrypoints.openai.api_server import build_app
 from vllm.entrypoints.openai.protocol import ErrorResponse, ModelList
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from vllm.entrypoints.openai.serving_models import BaseModelPath, LoRAModulePath, OpenAIServingModels
 from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
@@ -40,27 +42,46 @@ class ServedModel:
 
 @dataclass
 class ServingSet:
+    """vLLM's serving objects for one model: chat and completions for a generative model, embeddings
+    for an embedding model (None: the model does not serve that API)."""
+
     models: OpenAIServingModels
-    chat: OpenAIServingChat
-    completion: OpenAIServingCompletion
     tokenization: OpenAIServingTokenization
+    chat: OpenAIServingChat | None = None
+    completion: OpenAIServingCompletion | None = None
+    embedding: OpenAIServingEmbedding | None = None
+
+
+# What vLLM's routes answer when the server has no handler for an API: per model here, with its name.
+API_NAMES = {"chat": "Chat Completions API", "completion": "Completions API", "embedding": "Embeddings API"}
 
 
 class ByModel:
     """Hands each call to the serving object of the model its request names (vLLM's route
     functions call `handler.method(request, raw_request)`); a request naming no model, or one not
-    served, goes to the first model's, whose own check answers 404 for an unknown name."""
+    served, goes to the first model's, whose own check answers 404 for an unknown name; one naming a
+    model without this API (None) gets vLLM's 400 for it."""
 
-    def __init__(self, by_name: dict[str, Any], first: Any) -> None:
+    def __init__(self, by_name: dict[str, Any], first: Any, api: str) -> None:
         self._by_name = by_name
         self._first = first
+        self._api = api
 
     def __getattr__(self, name: str) -> Any:
-        def call(request: Any, *args: Any, **kwargs: Any) -> Any:
-            target = self._by_name.get(getattr(request, "model", None) or "", self._first)
-            return getattr(target, name)(request, *args, **kwargs)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not args:  # not a request's call (vLLM's routes build errors with `create_error_response(message=...)`)
+                return getattr(self._first, name)(**kwargs)
+            request = args[0]
+            model = getattr(request, "model", None) or ""
+            target = self._by_name.get(model, self._first if hasattr(self._first, name) else None)
+            if target is None:
+                return self._unsupported(model)
+            return getattr(target, name)(*args, **kwargs)
 
         return call
+
+    async def _unsupported(self, model: str) -> ErrorResponse:
+        return self._first.create_error_response(message=f"The model does not support {self._api} (model {model!r})")
 
 
 class AllModels:
@@ -100,8 +121,19 @@ async def build_serving_set(served: ServedModel, args: argparse.Namespace) -> Se
     )
     await models.init_static_loras()
     chat_template = load_chat_template(args.chat_template)
+    # What vLLM's tokenization and embedding serving take beside the model's objects.
+    templated = {
+        "request_logger": request_logger,
+        "chat_template": chat_template,
+        "chat_template_content_format": args.chat_template_content_format,
+    }
+    tokenization = OpenAIServingTokenization(client, model_config, models, **templated)
+    if model_config.task == "embed":
+        embedding = OpenAIServingEmbedding(client, model_config, models, **templated)
+        return ServingSet(models=models, tokenization=tokenization, embedding=embedding)
     return ServingSet(
         models=models,
+        tokenization=tokenization,
         chat=OpenAIServingChat(
             client,
             model_config,
@@ -124,14 +156,6 @@ async def build_serving_set(served: ServedModel, args: argparse.Namespace) -> Se
             request_logger=request_logger,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         ),
-        tokenization=OpenAIServingTokenization(
-            client,
-            model_config,
-            models,
-            request_logger=request_logger,
-            chat_template=chat_template,
-            chat_template_content_format=args.chat_template_content_format,
-        ),
     )
 
 
@@ -150,7 +174,11 @@ async def build_openai_app(served_models: Sequence[ServedModel], args: argparse.
             by_name[name] = serving
 
     def dispatch(part: str) -> ByModel:
-        return ByModel({name: getattr(s, part) for name, s in by_name.items()}, getattr(sets[0], part))
+        """The part's dispatcher; where no model has it, its errors come from the first model's
+        tokenization (vLLM's own route would answer such a request 200 with an error body)."""
+        handlers = {name: getattr(s, part) for name, s in by_name.items()}
+        present = [handler for handler in handlers.values() if handler is not None]
+        return ByModel(handlers, present[0] if present else sets[0].tokenization, API_NAMES.get(part, part))
 
     state = app.state
     state.engine_client = AllEngines([served.engine_client for served in served_models])
@@ -160,15 +188,16 @@ async def build_openai_app(served_models: Sequence[ServedModel], args: argparse.
     state.openai_serving_chat = dispatch("chat")
     state.openai_serving_completion = dispatch("completion")
     state.openai_serving_tokenization = dispatch("tokenization")
+    state.openai_serving_embedding = dispatch("embedding")
     for unsupported in (
         "openai_serving_pooling",
-        "openai_serving_embedding",
         "openai_serving_scores",
         "jinaai_serving_reranking",
         "openai_serving_transcription",
     ):
         setattr(state, unsupported, None)  # vLLM's routes answer "the model does not support ..."
-    state.task = "generate"
+    # The task vLLM's /invocations routes by: generation if any model generates.
+    state.task = "generate" if any(s.chat is not None for s in sets) else "embed"
     state.enable_server_load_tracking = args.enable_server_load_tracking
     state.server_load_metrics = 0
 

@@ -1,7 +1,8 @@
 """An EngineClient for vLLM's OpenAI serving code that streams from a Triton model over gRPC.
 
-Owns one Triton LLM model's side of the OpenAI server: each `generate` is one gRPC stream to the
-model (token ids in; per-step deltas or one whole answer out, as vLLM's serving code asks), ended
+Owns one Triton model's side of the OpenAI server: each `generate` is one gRPC stream to the
+model (token ids in; per-step deltas or one whole answer out, as vLLM's serving code asks), each
+`encode` one to an embedding model (token ids in, one vector out), ended
 by the model's FINAL and cancelled when the HTTP client goes away (which aborts the request in
 the engine). Tokenizer and ModelConfig are the model's own, read from its model.json.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Mapping
+from contextlib import aclosing
 from typing import Any
 
 from tritonclient.grpc import InferInput, InferRequestedOutput
@@ -19,12 +21,13 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 from vllm.config import DecodingConfig, ModelConfig
 from vllm.engine.protocol import EngineClient
 from vllm.lora.request import LoRARequest
-from vllm.outputs import RequestOutput
+from vllm.outputs import PoolingRequestOutput, RequestOutput
+from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 from triton_vllm_multistep.frontend import triton_requests
 from triton_vllm_multistep.frontend.errors import EngineUnavailable, is_unavailable
-from triton_vllm_multistep.interface import NUM_OUTPUT_TOKENS, encode_image
+from triton_vllm_multistep.interface import NUM_OUTPUT_TOKENS, TEXT_OUTPUT, encode_image
 
 logger = logging.getLogger("triton_vllm_multistep.frontend")
 
@@ -110,6 +113,23 @@ class TritonEngineClient(EngineClient):
         # base64-encoded (PNG: lossless, so the model decodes the same pixels), encoded off the loop.
         encoded = await asyncio.to_thread(lambda: [encode_image(image) for image in images]) if images else []
         request = triton_requests.triton_request(prompt_ids, params, lora_name, encoded, priority)
+        # vLLM's streaming completions read the prompt's text from the first output to echo it (its
+        # whole answers take the request's own); the prompt reaches this client as token ids only.
+        first = params.output_kind == RequestOutputKind.DELTA
+        # Closed with this generator (vLLM's code closing it cancels the gRPC stream at once).
+        async with aclosing(self._responses(request_id, request)) as responses:
+            async for values in responses:
+                if NUM_OUTPUT_TOKENS in values:  # a data response (the empty FINAL has none)
+                    output = triton_requests.request_output(request_id, prompt_ids, values, completions)
+                    if first:
+                        output.prompt = self._tokenizer.decode(prompt_ids)
+                        first = False
+                    yield output
+
+    async def _responses(
+        self, request_id: str, request: triton_requests.TritonRequest
+    ) -> AsyncGenerator[dict[str, list[Any]], None]:
+        """One gRPC stream to the model: each response's output values, until its FINAL."""
         inputs = []
         for name, array in request.inputs.items():
             tensor = InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
@@ -128,9 +148,6 @@ class TritonEngineClient(EngineClient):
 
         responses = self._client.stream_infer(one_request())
         ended = False
-        # vLLM's streaming completions read the prompt's text from the first output to echo it (its
-        # whole answers take the request's own); the prompt reaches this client as token ids only.
-        first = params.output_kind == RequestOutputKind.DELTA
         try:
             async for result, error in responses:
                 if error is not None:
@@ -138,13 +155,7 @@ class TritonEngineClient(EngineClient):
                     raise await self._request_error(str(error))
                 response = result.get_response()
                 final = response.parameters.get("triton_final_response")
-                values = triton_requests.response_values(response)
-                if NUM_OUTPUT_TOKENS in values:  # a data response (the empty FINAL has none)
-                    output = triton_requests.request_output(request_id, prompt_ids, values, completions)
-                    if first:
-                        output.prompt = self._tokenizer.decode(prompt_ids)
-                        first = False
-                    yield output
+                yield triton_requests.response_values(response)
                 if final is not None and final.bool_param:
                     ended = True
                     return
@@ -202,9 +213,34 @@ class TritonEngineClient(EngineClient):
     async def do_log_stats(self, scheduler_outputs: Any = None, model_output: Any = None) -> None:
         return None  # the model's metrics are Triton's (its metrics port)
 
+    def encode(
+        self,
+        prompt: Any,
+        pooling_params: PoolingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """An embedding model's request (vLLM's embedding serving code): one vector for a tokenized prompt."""
+        if not isinstance(prompt, Mapping) or "prompt_token_ids" not in prompt:
+            raise triton_requests.UnsupportedRequest("only tokenized prompts reach this server's engine client")
+        if lora_request is not None:
+            raise triton_requests.UnsupportedRequest("LoRA adapters are not served for embedding models")
+        prompt_ids = list(prompt["prompt_token_ids"])
+        return self._pooled(
+            request_id, prompt_ids, triton_requests.embedding_request(prompt_ids, pooling_params, priority)
+        )
+
+    async def _pooled(
+        self, request_id: str, prompt_ids: list[int], request: triton_requests.TritonRequest
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        async with aclosing(self._responses(request_id, request)) as responses:
+            async for values in responses:
+                if TEXT_OUTPUT in values:  # the data response (the empty FINAL has none)
+                    yield triton_requests.pooling_output(request_id, prompt_ids, values)
+
     # Engine control that belongs to the Triton model, not to this server.
-    def encode(self, *args: Any, **kwargs: Any) -> Any:
-        raise triton_requests.UnsupportedRequest("pooling models are not served")
 
     async def abort(self, request_id: str) -> None:
         return None  # a request is aborted by cancelling its gRPC stream (see _stream)

@@ -12,11 +12,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.sequence import Logprob
 
 from triton_vllm_multistep.interface import (
+    DIMENSIONS_FIELD,
+    EMBEDDING_INPUT_FIELD,
+    EMBEDDING_REQUEST,
     FINISH_REASON,
     IMAGE_INPUT,
     INPUT_IDS,
@@ -25,6 +29,7 @@ from triton_vllm_multistep.interface import (
     NUM_INPUT_TOKENS,
     NUM_OUTPUT_TOKENS,
     OUTPUT_IDS,
+    POOLING_PARAMS_FIELD,
     PRIORITY,
     PROMPT_LOGPROBS,
     RETURN_FINISH_REASON,
@@ -135,6 +140,33 @@ def triton_request(
         outputs = (*outputs, PROMPT_LOGPROBS)
     # The empty FINAL tells the client the stream is over whatever the last data response said.
     return TritonRequest(inputs, outputs, {"triton_enable_empty_final_response": True})
+
+
+def embedding_request(prompt_token_ids: Sequence[int], params: PoolingParams, priority: int = 0) -> TritonRequest:
+    """The request for an embedding model's tokenized prompt: `embedding_request` (Triton's vLLM backend's
+    JSON, `dimensions` as its OpenAI front end sends it), the prompt's token count asked for."""
+    pooling = {} if params.dimensions is None else {DIMENSIONS_FIELD: [params.dimensions]}
+    body = {EMBEDDING_INPUT_FIELD: list(prompt_token_ids), POOLING_PARAMS_FIELD: pooling}
+    inputs = {
+        EMBEDDING_REQUEST: np.array([json.dumps(body).encode()], dtype=np.object_),
+        RETURN_NUM_INPUT_TOKENS: np.array([True], dtype=bool),
+    }
+    if priority:
+        inputs[PRIORITY] = np.array([priority], dtype=np.int32)
+    return TritonRequest(inputs, (TEXT_OUTPUT, NUM_INPUT_TOKENS), {"triton_enable_empty_final_response": True})
+
+
+def pooling_output(
+    request_id: str, prompt_token_ids: list[int], arrays: Mapping[str, Sequence[Any]]
+) -> PoolingRequestOutput:
+    """An embedding model's response (the vector as JSON in text_output) as vLLM's PoolingRequestOutput:
+    the float32 values the engine computed (JSON carries each exactly)."""
+    import torch
+
+    vector = json.loads(arrays[TEXT_OUTPUT][0])
+    return PoolingRequestOutput(
+        request_id, PoolingOutput(torch.tensor(vector, dtype=torch.float32)), prompt_token_ids, True
+    )
 
 
 def response_values(response: Any) -> dict[str, list[Any]]:

@@ -117,6 +117,13 @@ def vllm_engine_setting(params: dict[str, str], engine_json: dict[str, Any]) -> 
             f"config.pbtxt parameter {ENGINE_PARAMETER!r} must be one of {', '.join(ENGINE_KINDS)}, got {text!r}"
         )
     if text == "v1":
+        if "task" in engine_json:
+            raise ConfigError(
+                f"config.pbtxt parameter {ENGINE_PARAMETER!r}='v1' and model.json 'task'="
+                f"{json.dumps(engine_json['task'])} disagree: 'task' is vLLM 0.8.5's engine argument, which "
+                "vLLM's V1 engine no longer has (it finds an embedding model by itself; 'runner': 'pooling' "
+                f"forces it); remove 'task' or serve the model with {ENGINE_PARAMETER} 'multistep'"
+            )
         for name in MULTI_STEP_ONLY_ENGINE_ARGS:
             if name in engine_json:
                 raise ConfigError(

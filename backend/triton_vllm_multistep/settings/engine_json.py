@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.interface import EMBED_TASK, SERVED_TASKS
 from triton_vllm_multistep.settings.backend import EngineKind, ResponseMode, engine_stream_mode
 from triton_vllm_multistep.settings.parameters import ConfigError, parameter_values
 
@@ -31,6 +32,10 @@ ASYNC_ONLY_ENGINE_ARGS: dict[str, str] = {
     "disable_log_requests": "this backend drives LLMEngine, which logs no requests",
 }
 ENGINE_ARGS_PARAMETER = "engine_args"
+# model.json `task` (vLLM 0.8.5's engine argument) values the multi-step engine serves: a generative
+# model, or an embedding model ("embed": one pooling pass per request, so no num_scheduler_steps).
+TASK_FIELD = "task"
+SERVED_TASK_VALUES = ("auto", *SERVED_TASKS)
 
 
 def load_engine_json(model_dir: Path, version: str | int) -> dict[str, Any]:
@@ -98,19 +103,45 @@ def engine_values(
     fields, paths resolved, the engine's stream mode set (multi-step). Which fields vLLM takes is
     checked on the engine's side (engine/engine_args.py engine_fields)."""
     # A V1 model gets none of these: multi-step's fields are a load error there (settings/backend.py),
-    # and its engine process decides disable_log_stats (engine_v1/process.py).
-    values = {**({} if vllm_engine == "v1" else ENGINE_DEFAULTS), **engine_json}
+    # and its engine process decides disable_log_stats (engine_v1/process.py). An embedding model gets
+    # no num_scheduler_steps (it has no decode steps).
+    defaults = {} if vllm_engine == "v1" else ENGINE_DEFAULTS
+    if vllm_engine != "v1" and embedding_task(engine_json):
+        defaults = {name: value for name, value in defaults.items() if name != "num_scheduler_steps"}
+    values = {**defaults, **engine_json}
     for name in PATH_ARGS:
         value = values.get(name)
         if isinstance(value, str) and value:
             values[name] = resolve_path(value, model_dir)
     if vllm_engine == "v1":
         return values
+    if embedding_task(engine_json):
+        return values
     values["multi_step_stream_outputs"] = engine_stream_mode(stream_mode) == "step"
     steps = values["num_scheduler_steps"]
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ConfigError(f"model.json: 'num_scheduler_steps' must be an integer >= 1, got {steps!r}")
     return values
+
+
+def embedding_task(engine_json: dict[str, Any]) -> bool:
+    """Whether model.json names an embedding model (`task` "embed"); a `task` the multi-step engine does
+    not serve, or num_scheduler_steps beside "embed", is a load error naming both."""
+    task = engine_json.get(TASK_FIELD, "auto")
+    if task not in SERVED_TASK_VALUES:
+        raise ConfigError(
+            f"model.json {TASK_FIELD!r} must be one of {', '.join(SERVED_TASK_VALUES)} (the tasks this backend "
+            f"serves), got {task!r}"
+        )
+    if task != EMBED_TASK:
+        return False
+    for name in ("num_scheduler_steps", "multi_step_stream_outputs"):
+        if name in engine_json:
+            raise ConfigError(
+                f"model.json {TASK_FIELD!r}={json.dumps(task)} and {name!r}={json.dumps(engine_json[name])} "
+                f"disagree: an embedding model has no decode steps to schedule; remove {name!r}"
+            )
+    return True
 
 
 def resolve_path(value: str, model_dir: Path) -> str:

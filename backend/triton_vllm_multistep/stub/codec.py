@@ -30,16 +30,26 @@ from triton_vllm_multistep.engine.events import (
 )
 from triton_vllm_multistep.interface import (
     BOOL_INPUTS,
+    DIMENSIONS_FIELD,
+    EMBED_TASK,
+    EMBEDDING_INPUT_FIELD,
+    EMBEDDING_REQUEST,
+    GENERATE_TASK,
     IMAGE_INPUT,
     LORA_NAME_FIELD,
     LORA_OFF_MESSAGE,
     NUM_CACHED_TOKENS,
     PERF_TIME_OUTPUTS,
+    POOLING_PARAMS_FIELD,
     PRIORITY,
     PRIORITY_FIELD,
     PROMPT_LOGPROBS,
     RETURN_FLAGS,
+    RETURN_NUM_INPUT_TOKENS,
+    RETURN_NUM_OUTPUT_TOKENS,
     STREAM_WITH_PROMPT_MESSAGE,
+    TEXT_INPUT,
+    unsupported_task_message,
 )
 from triton_vllm_multistep.interface import SAMPLING_PARAMETERS as SAMPLING_TENSOR
 from triton_vllm_multistep.settings.backend import MAX_STREAM_INTERVAL, Limits
@@ -233,6 +243,32 @@ class ModelLimits:
     images_per_prompt: int = 0  # vLLM's limit_mm_per_prompt for images; 0: a text-only model
     adapters: tuple[Adapter, ...] | None = None  # multi_lora.json's, in its order; None: LoRA off
     scheduling_policy: str = "fcfs"  # the engine's (model.json scheduling_policy): "priority" takes priorities
+    tasks: tuple[str, ...] = (GENERATE_TASK,)  # what the model serves (EngineFacts.tasks)
+    served_name: str = "this model"  # the Triton model's name, as Triton's vLLM backend names it in errors
+
+
+@dataclass
+class EmbeddingRequest:
+    """A validated embedding request (`embedding_request`): pooled once, answered by one FINAL response
+    holding the vector. Has what the responder reads of any request (`stream`, `images`, ...)."""
+
+    prompt_token_ids: list[int]  # empty when the engine tokenizes `prompt_text` (a V1 model's)
+    pooling: dict[str, Any]  # vLLM's PoolingParams fields (EngineRequest.pooling)
+    prompt_text: str | None = None
+    returns: ReturnFlags = field(default_factory=ReturnFlags)
+    outputs: frozenset[str] | None = None
+    priority: int = 0
+    engine_prompt_tokens: int | None = None  # the prompt's token count as the engine counts it, once known
+    stream: bool = False
+    stream_interval: int | None = None
+    images: tuple[bytes, ...] = ()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.engine_prompt_tokens if self.engine_prompt_tokens is not None else len(self.prompt_token_ids)
+
+    def wants(self, name: str) -> bool:
+        return self.outputs is None or name in self.outputs
 
 
 def _payload_bytes(array: np.ndarray) -> int:
@@ -460,17 +496,27 @@ def decode_request(
     encode: Callable[[str], list[int]] | None,
     decode: Callable[[list[int]], str] | None,
     outputs: frozenset[str] | None = None,
-) -> GenerationRequest:
+) -> GenerationRequest | EmbeddingRequest:
     """Triton inputs (name → array) and request parameters (JSON) → a validated request; `outputs`:
     the outputs the client asked for (None: all). Without `encode`/`decode` (a V1 model: its
     tokenizer is in the V1 environment) a text prompt goes to the engine as text, which tokenizes
-    it and checks its length (in these words: engine/events.py)."""
+    it and checks its length (in these words: engine/events.py). A request with `embedding_request`
+    is an embedding request, any other a generation request: each only where the model serves it."""
     # Images have limits of their own (max_image_bytes each, limit_mm_per_prompt of them).
     size = sum(_payload_bytes(array) for name, array in inputs.items() if name != IMAGE_INPUT)
     if size > model.limits.max_request_bytes:
         raise RequestError(
             f"request inputs are {size} bytes, over this model's limit of {model.limits.max_request_bytes}"
         )
+    task = EMBED_TASK if EMBEDDING_REQUEST in inputs else GENERATE_TASK
+    if task not in model.tasks:
+        raise RequestError(
+            unsupported_task_message(model.served_name, task),
+            log_detail=f"{model.served_name} serves {' and '.join(model.tasks)} requests; an '{EMBED_TASK}' "
+            f"request is one with the input '{EMBEDDING_REQUEST}'",
+        )
+    if task == EMBED_TASK:
+        return decode_embedding_request(inputs, model, encode, outputs)
     images: tuple[bytes, ...] = ()
     if IMAGE_INPUT in inputs:
         try:
@@ -558,8 +604,131 @@ def decode_request(
     )
 
 
-def engine_request(request: GenerationRequest, request_id: str) -> EngineRequest:
+# An embedding request's inputs besides `embedding_request`: an empty `text_input` (Triton's OpenAI
+# front end's clients may send one), the token counts, the priority; any other BOOL input only false.
+EMBEDDING_COMPANIONS = (TEXT_INPUT, RETURN_NUM_INPUT_TOKENS, RETURN_NUM_OUTPUT_TOKENS, PRIORITY)
+EMBEDDING_FIELDS = (EMBEDDING_INPUT_FIELD, POOLING_PARAMS_FIELD)
+POOLING_FIELDS = (DIMENSIONS_FIELD,)
+
+
+def decode_embedding_request(
+    inputs: Mapping[str, np.ndarray],
+    model: ModelLimits,
+    encode: Callable[[str], list[int]] | None,
+    outputs: frozenset[str] | None = None,
+) -> EmbeddingRequest:
+    """`embedding_request` (Triton's vLLM backend's JSON: {"input": text or token ids, "pooling_params":
+    {"dimensions": [N]}}) → a validated embedding request; every error names the field or input."""
+    for name, array in inputs.items():
+        if name == EMBEDDING_REQUEST or name in EMBEDDING_COMPANIONS:
+            continue
+        if name in BOOL_INPUTS and _bool_input(name, array) is False:
+            continue  # asks for nothing
+        raise RequestError(
+            f"input '{name}' does not apply to an embedding request (one with '{EMBEDDING_REQUEST}'): it takes "
+            f"'{EMBEDDING_REQUEST}', '{RETURN_NUM_INPUT_TOKENS}', '{RETURN_NUM_OUTPUT_TOKENS}' and '{PRIORITY}'"
+        )
+    if TEXT_INPUT in inputs and string_input(TEXT_INPUT, inputs[TEXT_INPUT]):
+        raise RequestError(
+            f"input '{TEXT_INPUT}' and '{EMBEDDING_REQUEST}' both hold a prompt: give the text as "
+            f"{EMBEDDING_REQUEST}.{EMBEDDING_INPUT_FIELD} (an empty '{TEXT_INPUT}' is accepted)"
+        )
+    text = string_input(EMBEDDING_REQUEST, inputs[EMBEDDING_REQUEST])
+    body = _json_loads(text, f"input '{EMBEDDING_REQUEST}' is not valid JSON")
+    body = _object_of(
+        body, f"input '{EMBEDDING_REQUEST}'", EMBEDDING_REQUEST, EMBEDDING_FIELDS, "a field of an embedding request"
+    )
+    prompt_ids, prompt_text = _embedding_prompt(body.get(EMBEDDING_INPUT_FIELD), model, encode)
+    flags = {
+        name: bool(_bool_input(name, inputs.get(name))) for name in (RETURN_NUM_INPUT_TOKENS, RETURN_NUM_OUTPUT_TOKENS)
+    }
+    return EmbeddingRequest(
+        prompt_token_ids=prompt_ids,
+        pooling=_pooling_fields(body.get(POOLING_PARAMS_FIELD)),
+        prompt_text=prompt_text,
+        returns=ReturnFlags(
+            num_input_tokens=flags[RETURN_NUM_INPUT_TOKENS], num_output_tokens=flags[RETURN_NUM_OUTPUT_TOKENS]
+        ),
+        outputs=outputs,
+        priority=request_priority(inputs.get(PRIORITY), None, EMBEDDING_REQUEST, model),
+    )
+
+
+def _object_of(value: Any, name: str, prefix: str, fields: Sequence[str], what: str) -> dict[str, Any]:
+    """A parsed JSON value that must be an object of only `fields`; errors name it (`name`) or the
+    first unknown field (`<prefix>.<field> is not <what>`)."""
+    if not isinstance(value, dict):
+        raise RequestError(f"{name} must be a JSON object, got {_json_type(value)}")
+    unknown = sorted(set(value) - set(fields))
+    if unknown:
+        raise RequestError(f"{prefix}.{unknown[0]} is not {what} ({', '.join(fields)})")
+    return value
+
+
+def _embedding_prompt(
+    value: Any, model: ModelLimits, encode: Callable[[str], list[int]] | None
+) -> tuple[list[int], str | None]:
+    """An embedding request's `input`: (its token ids, None), or ([], the text) for an engine that
+    tokenizes it itself; checked against the vocabulary and the prompt limit."""
+    where = f"{EMBEDDING_REQUEST}.{EMBEDDING_INPUT_FIELD}"
+    if value is None:
+        raise RequestError(f"{where} is required: the text (a string) or its token ids (a list of integers)")
+    if isinstance(value, str):
+        if not value:
+            raise RequestError(f"the prompt has no tokens: {where} is empty")
+        if encode is None:
+            return [], value
+        ids = encode(value)
+    elif isinstance(value, list) and all(isinstance(token, int) and not isinstance(token, bool) for token in value):
+        if not value:
+            raise RequestError(f"the prompt has no tokens: {where} is empty")
+        ids = list(value)
+        _check_vocabulary(where, ids, model.vocab_size)
+    else:
+        raise RequestError(
+            f"{where} must be a string or a list of token ids (one input per request), got {_json_type(value)}"
+        )
+    limit = prompt_limit(model.max_model_len, model.limits.max_prompt_tokens)
+    if len(ids) > limit:
+        raise RequestError(prompt_too_long_message(len(ids), limit))
+    return ids, None
+
+
+def _pooling_fields(value: Any) -> dict[str, Any]:
+    """`pooling_params` → vLLM's PoolingParams fields: `dimensions` an integer >= 1, or a list of one
+    (Triton's OpenAI front end sends `[N]`). Whether the model can shorten its vector is the engine's call."""
+    where = f"{EMBEDDING_REQUEST}.{POOLING_PARAMS_FIELD}"
+    if value is None:
+        return {}
+    value = _object_of(value, where, where, POOLING_FIELDS, "a pooling parameter this backend takes")
+    dimensions = value.get(DIMENSIONS_FIELD)
+    if dimensions is None:
+        return {}
+    if isinstance(dimensions, list) and len(dimensions) == 1:
+        dimensions = dimensions[0]
+    if not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < 1:
+        raise RequestError(f"{where}.{DIMENSIONS_FIELD} must be an integer >= 1 (or a list of one), got {dimensions!r}")
+    return {DIMENSIONS_FIELD: dimensions}
+
+
+def completions_asked(request: GenerationRequest | EmbeddingRequest) -> int:
+    """Completions the client asked for (the `n` sampling parameter; with best_of > n, vLLM's
+    SamplingParams keeps the client's n in _real_n); an embedding request's one vector counts as one."""
+    if isinstance(request, EmbeddingRequest):
+        return 1
+    return request.sampling_params._real_n or request.sampling_params.n
+
+
+def engine_request(request: GenerationRequest | EmbeddingRequest, request_id: str) -> EngineRequest:
     """What the engine gets for a decoded request: plain values only (engine/events.EngineRequest)."""
+    if isinstance(request, EmbeddingRequest):
+        return EngineRequest(
+            request_id,
+            tuple(request.prompt_token_ids),
+            prompt_text=request.prompt_text,
+            priority=request.priority,
+            pooling=request.pooling,
+        )
     adapter = request.adapter
     return EngineRequest(
         request_id,
@@ -636,7 +805,7 @@ def _stream_interval(value: Any, source: str) -> int | None:
 
 def encode_response(
     output: EngineOutput,
-    request: GenerationRequest,
+    request: GenerationRequest | EmbeddingRequest,
     first: bool,
     window_decode: Callable[[Sequence[int], int], str] | None = None,
 ) -> dict[str, np.ndarray]:
@@ -647,6 +816,8 @@ def encode_response(
     Arrays hold one element per completion (index = position), as in Triton's vLLM backend;
     `output_ids` is the completions' token ids back to back, split by `num_output_tokens`.
     """
+    if isinstance(request, EmbeddingRequest):
+        return encode_embedding(output, request)
     completions = output.outputs
     arrays: dict[str, np.ndarray] = {}
     if request.wants("text_output"):
@@ -686,6 +857,19 @@ def encode_response(
             )
             arrays["window_ids"] = np.array(window.ids, dtype=np.int32)
             arrays["window_offsets"] = np.array([window.context, window.start, window.end], dtype=np.int32)
+    return arrays
+
+
+def encode_embedding(output: EngineOutput, request: EmbeddingRequest) -> dict[str, np.ndarray]:
+    """An embedding request's one response, as Triton's vLLM backend sends it: `text_output` the JSON list
+    of the vector's floats; `num_input_tokens` the prompt's, `num_output_tokens` 0, when asked."""
+    arrays: dict[str, np.ndarray] = {}
+    if request.wants("text_output"):
+        arrays["text_output"] = np.array([json.dumps(output.embedding).encode()], dtype=np.object_)
+    if request.returns.num_input_tokens and request.wants("num_input_tokens"):
+        arrays["num_input_tokens"] = np.array([request.prompt_tokens], dtype=np.uint32)
+    if request.returns.num_output_tokens and request.wants("num_output_tokens"):
+        arrays["num_output_tokens"] = np.array([0], dtype=np.uint32)
     return arrays
 
 

@@ -274,6 +274,8 @@ class ModelServer:
             images_per_prompt=facts.images_per_prompt,
             adapters=self.adapters,
             scheduling_policy=facts.scheduling_policy,
+            tasks=facts.tasks,
+            served_name=self.model_name,
         )
 
     def _start_observers(self, args: dict[str, str]) -> None:
@@ -433,8 +435,7 @@ class ModelServer:
                     time.time(),
                     len(generation.prompt_token_ids),
                     generation.stream,
-                    # With best_of > n, vLLM's SamplingParams keeps the client's n in _real_n.
-                    n=generation.sampling_params._real_n or generation.sampling_params.n,
+                    n=codec.completions_asked(generation),
                 )
             if not self.responder.register(engine_id, RequestState(sender=sender, request=generation, timing=timing)):
                 self._refuse(sender)  # draining began since the check above

@@ -162,7 +162,7 @@ class RequestState:
     """What the responder knows of one request in flight."""
 
     sender: Any  # pb_utils InferenceResponseSender
-    request: codec.GenerationRequest
+    request: codec.GenerationRequest | codec.EmbeddingRequest
     first: bool = True
     last_cancel_check: float = 0.0
     timing: Any = None  # metrics.RequestTiming when metrics are on

@@ -69,6 +69,13 @@ def ephemeral_port_range() -> tuple[int, int]:
     return low, high
 
 
+# The OS's randomness, not the random module's global generator: an in-process vLLM engine seeds that
+# (its `seed`, 0 by default), and two pytest workers that had each built one chose the same three
+# ports for their next servers; gRPC's SO_REUSEPORT let both bind them, and one server's requests went
+# to the other (seen in a fresh-clone run).
+_PORT_CHOICE = random.SystemRandom()
+
+
 def free_ports(count: int) -> list[int]:
     """`count` distinct ports free now and outside the kernel's ephemeral range.
 
@@ -81,7 +88,7 @@ def free_ports(count: int) -> list[int]:
     candidates = list(range(LOWEST_CHOSEN_PORT, low)) if low - LOWEST_CHOSEN_PORT >= 1000 else []
     candidates += range(high + 1, 65536)
     ports: list[int] = []
-    for port in random.sample(candidates, len(candidates)):
+    for port in _PORT_CHOICE.sample(candidates, len(candidates)):
         with socket.socket() as probe:
             try:
                 probe.bind(("0.0.0.0", port))
