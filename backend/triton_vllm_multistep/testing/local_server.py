@@ -155,10 +155,15 @@ class ServerProcess:
         return "\n".join([*errors[-20:], "...", *all_lines[-lines:]])
 
     def is_ready(self) -> bool:
+        """READY over HTTP and the metrics endpoint answering: tritonserver starts its metrics endpoint
+        last, after HTTP, so a test that scrapes right after READY (a restarted server) found it closed."""
         import requests
 
         try:
-            return requests.get(f"{self.http_url}/v2/health/ready", timeout=2).status_code == 200
+            return (
+                requests.get(f"{self.http_url}/v2/health/ready", timeout=2).status_code == 200
+                and requests.get(self.metrics_url, timeout=2).status_code == 200
+            )
         except requests.RequestException:
             return False
 
