@@ -87,6 +87,18 @@ def test_an_engine_that_refuses_structured_output_fails_the_checks_with_its_refu
     assert "steps shared with structured-choice 0" in report.checks[3].detail
 
 
+def test_two_streams_are_the_same_only_if_both_ended_without_failure_with_equal_tokens() -> None:
+    """The verdict the LoRA, structured-output and image sections give a stream against its reference."""
+    tokens = smoke_report.Stream(deltas=[[1, 2], [3]], finished=True)
+    assert tokens.same_tokens(smoke_report.Stream(deltas=[[1], [2, 3]], finished=True), 3)
+    assert tokens.same_tokens(smoke_report.Stream(deltas=[[1, 2, 3]]))
+    assert not tokens.same_tokens(smoke_report.Stream(deltas=[[1, 2, 3]]), 4)  # not the length asked for
+    assert not tokens.same_tokens(smoke_report.Stream(deltas=[[1, 2, 4]]))
+    assert not tokens.same_tokens(smoke_report.Stream(deltas=[[1, 2, 3]], failure="engine died"))
+    failed = smoke_report.Stream(failure="refused")
+    assert not failed.same_tokens(smoke_report.Stream(failure="refused"))  # two failures are not a match
+
+
 def test_constrained_output_is_judged_by_its_constraint() -> None:
     def stream(text: str, finish_reason: str = "stop") -> smoke_report.Stream:
         return smoke_report.Stream(deltas=[[1]], text=text, finished=True, finish_reason=finish_reason)

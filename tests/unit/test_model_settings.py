@@ -9,14 +9,12 @@ import json
 import re
 import subprocess
 import sys
-import typing
 from pathlib import Path
 
 import pytest
 
 from triton_vllm_multistep.checks.adapters import write_adapter
 from triton_vllm_multistep.demo import models as demo_models
-from triton_vllm_multistep.engine import events
 from triton_vllm_multistep.engine.engine_args import engine_args_of
 from triton_vllm_multistep.settings import (
     BackendSettings,
@@ -25,7 +23,6 @@ from triton_vllm_multistep.settings import (
     engine_json,
     read_model_settings,
 )
-from triton_vllm_multistep.settings import backend as backend_module
 
 
 @pytest.fixture(scope="module")
@@ -158,11 +155,6 @@ def test_engine_args_of_the_settings_checks_vllms_fields_then_builds(tmp_path: P
     (folder / "1" / "model.json").write_text(json.dumps({"model": "m", "tempo": 1}))
     with pytest.raises(ConfigError, match="unknown vLLM engine argument"):
         engine_args_of(read_model_settings(folder, "1", _config()))
-
-
-def test_the_engines_stream_modes_are_the_settings_own() -> None:
-    """settings/ writes the engine's StreamMode out (it imports nothing of the engine): kept equal."""
-    assert typing.get_args(backend_module.StreamMode) == typing.get_args(events.StreamMode) == events.STREAM_MODES
 
 
 def test_reading_settings_loads_no_vllm_torch_or_numpy_and_the_interface_nothing(tmp_path: Path) -> None:

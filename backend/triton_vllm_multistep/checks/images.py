@@ -100,16 +100,8 @@ def run_image_checks(report: SmokeReport, engine_args: Any, user_threads: dict[s
         loop.stop()
         engine.model_executor.shutdown()
 
-    def same(stream: Stream, other: Stream) -> bool:
-        return (
-            stream.failure is None
-            and other.failure is None
-            and len(stream.tokens) == max_tokens
-            and (stream.tokens == other.tokens)
-        )
-
     for name, others in ((steps1_name, reference), (alone_name, alone)):
-        verdicts = {request_id: same(stream, others[request_id]) for request_id, stream in batch.items()}
+        verdicts = {rid: stream.same_tokens(others[rid], max_tokens) for rid, stream in batch.items()}
         report.check(
             name,
             all(verdicts.values()),

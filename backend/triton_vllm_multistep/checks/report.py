@@ -70,6 +70,15 @@ class Stream:
     def ended(self) -> bool:
         return self.finished or self.failure is not None
 
+    def same_tokens(self, other: Stream, length: int | None = None) -> bool:
+        """Both streams ended without failure with equal tokens (and `length` of them, if given)."""
+        return (
+            self.failure is None
+            and other.failure is None
+            and self.tokens == other.tokens
+            and (length is None or len(self.tokens) == length)
+        )
+
     def outcome(self) -> str:
         if self.failure is not None:
             return f"failed: {self.failure}"

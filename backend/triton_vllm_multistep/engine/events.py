@@ -14,15 +14,10 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from triton_vllm_multistep.interface import GENERATE_TASK
 
-# How a multi-step engine hands out tokens: after every decoded step, or once per scheduling
-# window. The name and values of the `stream_mode` config.pbtxt parameter (vLLM's own name for
-# it is `multi_step_stream_outputs`, True for "step").
-StreamMode = Literal["step", "window"]
-STREAM_MODES: tuple[StreamMode, ...] = ("step", "window")
 logger = logging.getLogger(__name__)
 
 

@@ -19,11 +19,12 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 
 # EngineBuildError is defined with the boundary types (an engine process's build failure crosses as itself).
-from triton_vllm_multistep.engine.events import STREAM_MODES, EngineBuildError, StreamMode
+from triton_vllm_multistep.engine.events import EngineBuildError
 from triton_vllm_multistep.engine.multimodal import multi_step_refusal, prefix_caching_refusal
 from triton_vllm_multistep.engine.preemption import keep_seeded_generators_across_recompute
 from triton_vllm_multistep.engine.prefix_cache import count_cached_prompt_tokens_on_cpu, count_cached_tokens_afresh
 from triton_vllm_multistep.interface import SERVED_TASKS
+from triton_vllm_multistep.settings.backend import STREAM_MODES, StreamMode
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,6 @@ from triton_vllm_multistep.engine.events import (
     KvCacheStats,
     RequestFailed,
     StepOutputs,
-    StreamMode,
 )
 from triton_vllm_multistep.engine.factory import build_engine, driver_model_runner, serving_torch_threads
 from triton_vllm_multistep.engine.multimodal import images_per_prompt
@@ -41,6 +40,7 @@ from triton_vllm_multistep.engine.outputs import plain_outputs
 from triton_vllm_multistep.engine.prefix_cache import prefix_cache_hit_rate
 from triton_vllm_multistep.engine.warmup import preload_adapters, warmed_up
 from triton_vllm_multistep.interface import EMBED_TASK, GENERATE_TASK
+from triton_vllm_multistep.settings.backend import StreamMode
 
 logger = logging.getLogger(__name__)
 

@@ -67,9 +67,11 @@ V1_REFUSED_SWITCHES: dict[str, tuple[bool, str]] = {
     "use_ipex": (True, "the V1 environment has no Intel Extension for PyTorch"),
 }
 
-# What the engine is built with: engine/events.py's StreamMode, the same two values (written out
-# here because settings import nothing of the engine; tests/unit/test_model_settings.py keeps them equal).
+# How a multi-step engine hands out tokens: after every decoded step, or once per scheduling
+# window. The name and values of the `stream_mode` config.pbtxt parameter (vLLM's own name for
+# it is `multi_step_stream_outputs`, True for "step"); the engine takes it from here.
 StreamMode = Literal["step", "window"]
+STREAM_MODES: tuple[StreamMode, ...] = ("step", "window")
 
 
 def engine_stream_mode(mode: ResponseMode) -> StreamMode:
