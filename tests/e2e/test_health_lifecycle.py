@@ -137,7 +137,13 @@ LOAD_STALLED = "preprocessing_load"
 
 
 def guard_of(server: ServerProcess, stub_pid: int) -> psutil.Process:
-    (guard,) = [p for p in server.process_groups()["guard"] if p.cmdline()[3:4] == [str(stub_pid)]]
+    """The stub's guard (started at its model.py's import, so it may follow a new stub by a moment)."""
+
+    def guards() -> list[psutil.Process]:
+        return [p for p in server.process_groups()["guard"] if p.cmdline()[3:4] == [str(stub_pid)]]
+
+    assert wait_for(lambda: len(guards()) == 1, 15), (stub_pid, server.process_groups()["guard"])
+    (guard,) = guards()
     return guard
 
 

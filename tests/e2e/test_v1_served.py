@@ -49,6 +49,7 @@ from tritonclient.utils import InferenceServerException
 from triton_vllm_multistep.checks import adapters
 from triton_vllm_multistep.checks.v1_reference import offline_v1_outputs
 from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.engine import cpu_placement
 from triton_vllm_multistep.engine.process import v1_environment_python
 from triton_vllm_multistep.host import probe
 from triton_vllm_multistep.testing import smollm3, vllm_serve
@@ -79,6 +80,7 @@ V1_BIASED_LORA = "llm_v1_biased_lora"  # multi_lora.json names an adapter with a
 V1_IMAGES = "llm_v1_images"  # the tiny LLaVA demo model on V1
 V1_SMALL_CACHE = "llm_v1_small_cache"
 V1_PRIORITY = "llm_v1_priority"  # scheduling_policy "priority", one sequence at a time
+V1_PINNED = "llm_v1_pinned"  # engine_cpus "last 1"
 EMBEDDING_MODEL, V1_EMBEDDING = "embedding_model", "embedding_v1"  # the shipped embedding model, on V1
 V1_LORA_ENGINE = {**V1_ENGINE, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
 LORA_NAMES = ("doll", "sheep")  # multi_lora.json's order: lora_int_id 1, 2
@@ -144,6 +146,8 @@ def v1_server(
     copy_model(SHIPPED_MODEL, repository / V1_SMALL_CACHE, {**TINY_ENGINE, **small_cache}, {"vllm_engine": "v1"})
     priority = {**V1_ENGINE, "scheduling_policy": "priority", "max_num_seqs": 1}
     copy_model(SHIPPED_MODEL, repository / V1_PRIORITY, {**TINY_ENGINE, **priority}, {"vllm_engine": "v1"})
+    copy_model(SHIPPED_MODEL, repository / V1_PINNED, {**TINY_ENGINE, **V1_ENGINE},
+               {"vllm_engine": "v1", "engine_cpus": "last 1"})  # fmt: skip
     # The shipped embedding model on V1 (vLLM 0.32 finds an embedding model itself: no `task`), loaded by its test.
     copy_model(REPO_ROOT / "model_repository" / EMBEDDING_MODEL, repository / V1_EMBEDDING,
                {"task": None, "enforce_eager": True}, {"vllm_engine": "v1"})  # fmt: skip
@@ -635,6 +639,33 @@ def test_a_v1_engine_core_that_dies_fails_its_requests_and_its_model_alone_and_t
     assert problems and all(V1 in problem for problem in problems), problems
     after = grpc_generate(v1_server.grpc_url, SMOLLM3, prompt="hello", sampling=GREEDY, stream=True)
     assert after.error is None and len(after.token_ids()) == TOKENS
+
+
+def test_engine_cpus_on_v1_puts_its_engine_process_and_vllms_core_on_them_and_the_stub_off_them(
+    v1_server: ServerProcess, reference: dict[str, tuple[list[int], str]]
+) -> None:
+    """config.pbtxt `engine_cpus` on a V1 model: every thread of its engine process and of vLLM's engine
+    core below it runs on the named CPU, the model's stub on the others; the answers stay `vllm serve`'s."""
+    cpu = max(cpu_placement.allowed_cpus())  # "last 1"
+    others = tuple(c for c in cpu_placement.allowed_cpus() if c != cpu)
+    with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
+        client.load_model(V1_PINNED)
+    try:
+        log = v1_server.log_path.read_text(errors="replace")
+        assert re.search(rf"model {V1_PINNED} \(.*?\) ready: .*engine in a process of its own on CPUs {cpu},", log)
+        (engine,) = engine_processes(v1_server, V1_PINNED, v1=True)
+        (core,) = vllm_core_processes(engine)
+        for process in (engine, core):
+            threads = cpu_placement.thread_cpus(process.pid)
+            assert threads and set(threads.values()) == {(cpu,)}, (process.cmdline(), threads)
+        for i, ids in enumerate(PROMPTS):
+            result = grpc_generate(v1_server.grpc_url, V1_PINNED, input_ids=list(ids), sampling=GREEDY, stream=True)
+            assert result.error is None and (result.token_ids(), result.text()) == tuple(reference[f"greedy-{i}"])
+        # Threads the stub started while serving (its responder's) stay off the engine's CPU too.
+        assert set(cpu_placement.thread_cpus(engine.parent().pid).values()) == {others}
+    finally:
+        with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
+            client.unload_model(V1_PINNED)
 
 
 def vllm_core_processes(engine: Any) -> list[Any]:

@@ -22,7 +22,7 @@ from triton_vllm_multistep.engine.process import python_for_children
 from triton_vllm_multistep.lifecycle import procfs
 from triton_vllm_multistep.stub import stall_detector
 from triton_vllm_multistep.stubguard import ipc
-from triton_vllm_multistep.stubguard.guard import ENTRY_MODULE, FINALIZING
+from triton_vllm_multistep.stubguard.guard import ENTRY_MODULE, FINALIZING, health_thread, keep_running
 
 logger = logging.getLogger("triton_vllm_multistep")
 # Off only to show what happens without it (tests/stress, docs/lifecycle.md): "0".
@@ -81,6 +81,12 @@ def start() -> StallGuard:
     if os.environ.get(ENABLED_ENV, "1") == "0":
         logger.warning("stub guard off (%s=0): a stall of this stub over 1 s can abort tritonserver", ENABLED_ENV)
         return StallGuard(None)
+    # The health thread at real-time priority now, from inside, as the guard does once it runs: the
+    # guard's own start (a Python process) takes long enough on a busy host for Triton's one-second
+    # rule to kill a starved stub first (seen: an auto-complete stub at a reload, CPU pressure 95%).
+    health = health_thread(os.getpid())
+    if health is not None:
+        keep_running(health)
     python = python_for_children()
     if python is None:
         logger.warning("no stub guard: no Python %d.%d found to run it", *sys.version_info[:2])
