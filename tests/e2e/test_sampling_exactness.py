@@ -330,9 +330,10 @@ def test_an_urgent_request_preempts_a_full_batch_and_every_answer_stays_exact(se
     the next window's start, runs and finishes first. The urgent and the preempted answers (seeded:
     vLLM 0.8.5 reseeded a recomputed request, engine/preemption.py) are those each gets alone at steps
     1 (the `priority` input and the sampling field)."""
+    # The model's whole length (1,024): 160 tokens once both ended before the urgent one came, on a fast host.
     long_requests = {
-        "first": ([1, 5, 9, 12], {"temperature": 0.8, "top_p": 0.9, "seed": 3, "max_tokens": 160, "ignore_eos": True}),
-        "second": ([3, 4, 5], {"temperature": 0.8, "top_p": 0.9, "seed": 5, "max_tokens": 160, "ignore_eos": True}),
+        "first": ([1, 5, 9, 12], {"temperature": 0.8, "top_p": 0.9, "seed": 3, "max_tokens": 1016, "ignore_eos": True}),
+        "second": ([3, 4, 5], {"temperature": 0.8, "top_p": 0.9, "seed": 5, "max_tokens": 1016, "ignore_eos": True}),
     }
     urgent_ids, urgent_sampling = [7, 8, 2, 2, 6], {"temperature": 0.7, "seed": 9, "max_tokens": 12, "priority": 0}
     streaming = {name: threading.Event() for name in long_requests}

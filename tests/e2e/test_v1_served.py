@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -144,7 +143,8 @@ def v1_server(
     # Four 128-token KV blocks (three usable): eight streams overfill them (the router metrics' test loads it).
     small_cache = {**V1_ENGINE, "max_model_len": 384, "num_gpu_blocks_override": 4}  # one block is V1's null block
     copy_model(SHIPPED_MODEL, repository / V1_SMALL_CACHE, {**TINY_ENGINE, **small_cache}, {"vllm_engine": "v1"})
-    priority = {**V1_ENGINE, "scheduling_policy": "priority", "max_num_seqs": 1}
+    # The model's whole length (2,048 positions): its test holds one long request in flight.
+    priority = {**V1_ENGINE, "scheduling_policy": "priority", "max_num_seqs": 1, "max_model_len": 2048}
     copy_model(SHIPPED_MODEL, repository / V1_PRIORITY, {**TINY_ENGINE, **priority}, {"vllm_engine": "v1"})
     copy_model(SHIPPED_MODEL, repository / V1_PINNED, {**TINY_ENGINE, **V1_ENGINE},
                {"vllm_engine": "v1", "engine_cpus": "last 1"})  # fmt: skip
@@ -302,12 +302,29 @@ def test_a_text_prompt_over_the_limit_fails_alone_in_the_stubs_words(v1_server: 
 
 def test_a_v1_model_publishes_the_kv_cache_use_under_both_engines_names(v1_server: ServerProcess) -> None:
     """V1's scheduler stats feed the same gauges: vllm:kv_cache_usage_perc (V1's name) and
-    vllm:gpu_cache_usage_perc (V0's), equal, above 0 while a request holds blocks, 0 after."""
-    long = {**GREEDY, "max_tokens": 400}
-    running = threading.Thread(
-        target=grpc_generate, args=(v1_server.grpc_url, V1), kwargs={"input_ids": [1, 2, 3], "sampling": long}
-    )
-    running.start()
+    vllm:gpu_cache_usage_perc (V0's), equal, above 0 while requests hold blocks, 0 after. The
+    requests are held in flight until the gauge is seen (the state is sampled every 0.25 s; 400
+    tokens once ended between two samples on a fast host)."""
+    long = {**GREEDY, "max_tokens": 1000}
+    seen_in_use = threading.Event()
+    results: list[Any] = []
+    running = [
+        threading.Thread(
+            target=lambda i=i: results.append(
+                grpc_generate(
+                    v1_server.grpc_url,
+                    V1,
+                    input_ids=[1, 2, 3 + i],
+                    sampling=long,
+                    stream=True,
+                    cancel_when=seen_in_use,
+                )
+            )
+        )  # fmt: skip
+        for i in range(4)
+    ]
+    for thread in running:
+        thread.start()
     seen: list[tuple[float | None, float | None]] = []
 
     def in_use() -> bool:
@@ -315,8 +332,14 @@ def test_a_v1_model_publishes_the_kv_cache_use_under_both_engines_names(v1_serve
         seen.append((metric(text, "vllm:kv_cache_usage_perc", V1), metric(text, "vllm:gpu_cache_usage_perc", V1)))
         return (seen[-1][0] or 0) > 0
 
-    assert wait_for(in_use, 60, interval=0.05), seen[-3:]
-    running.join(timeout=120)
+    try:
+        assert wait_for(in_use, 60, interval=0.05), seen[-3:]
+    finally:
+        seen_in_use.set()
+        for thread in running:
+            thread.join(timeout=120)
+    # Still streaming when the gauge was read (else the reading proves nothing about these requests).
+    assert [r.error for r in results].count("cancelled by test") >= 1, [r.error for r in results]
     assert seen[-1][0] == seen[-1][1]
     assert wait_for(lambda: metric(scrape(v1_server), "vllm:kv_cache_usage_perc", V1) == 0, 30)
     assert metric(scrape(v1_server), "vllm:gpu_cache_usage_perc", V1) == 0
@@ -511,17 +534,19 @@ def test_a_v1_model_with_the_priority_policy_schedules_an_urgent_waiting_request
 ) -> None:
     """scheduling_policy "priority" on V1 (its meaning: the waiting queue in priority order): one
     sequence at a time; while a long request runs, a request of priority 5 queues, then one of
-    priority 0: the urgent one is scheduled first. Each answer is the one llm_v1 gives alone."""
+    priority 0; the long one is then cancelled: the urgent one is scheduled first. Each answer is the
+    one llm_v1 gives alone. The long request is held until both wait (900 tokens once ended before
+    the second arrived on a fast host)."""
     with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
         client.load_model(V1_PRIORITY)
     try:
-        running = threading.Event()
+        running, both_waiting = threading.Event(), threading.Event()
         long: list[Any] = []
         thread = threading.Thread(
             target=lambda: long.append(
                 grpc_generate(
-                    v1_server.grpc_url, V1_PRIORITY, input_ids=[1, 5, 9], sampling={**GREEDY, "max_tokens": 900},
-                    stream=True, on_response=running.set, priority=5,
+                    v1_server.grpc_url, V1_PRIORITY, input_ids=[1, 5, 9], sampling={**GREEDY, "max_tokens": 2040},
+                    stream=True, on_response=running.set, priority=5, cancel_when=both_waiting,
                 )
             )
         )  # fmt: skip
@@ -535,16 +560,24 @@ def test_a_v1_model_with_the_priority_policy_schedules_an_urgent_waiting_request
                 v1_server.grpc_url, V1_PRIORITY, input_ids=list(prompt), sampling=sampling, return_perf_metrics=True
             )
 
-        later = threading.Thread(target=ask, args=("later", 5, PROMPTS[1]))
-        later.start()
-        time.sleep(0.5)  # queued behind the long one before the urgent one arrives
-        ask("urgent", 0, PROMPTS[2])
-        later.join(120)
-        thread.join(120)
+        def waiting() -> float:
+            return metric(scrape(v1_server), "vllm:num_requests_waiting", V1_PRIORITY) or 0
+
+        asked = []
+        for name, priority, prompt in (("later", 5, PROMPTS[1]), ("urgent", 0, PROMPTS[2])):
+            asked.append(threading.Thread(target=ask, args=(name, priority, prompt)))
+            asked[-1].start()
+            count = len(asked)
+            assert wait_for(lambda count=count: waiting() >= count, 60, interval=0.02), name  # queued, in order
+        both_waiting.set()
+        for waiter in (*asked, thread):
+            waiter.join(120)
     finally:
+        both_waiting.set()
         with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
             client.unload_model(V1_PRIORITY)
-    assert long[0].error is None and all(r.error is None for r in queued.values()), [r.error for r in queued.values()]
+    assert long[0].error == "cancelled by test", long[0].error  # it held the one sequence until both waited
+    assert all(r.error is None for r in queued.values()), [r.error for r in queued.values()]
     urgent, later_one = queued["urgent"].perf_metrics(), queued["later"].perf_metrics()
     assert urgent["arrival_time_ns"] > later_one["arrival_time_ns"]
     assert urgent["first_scheduled_time_ns"] < later_one["first_scheduled_time_ns"]

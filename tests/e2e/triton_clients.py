@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -120,6 +121,7 @@ def grpc_generate(
     timeout: float = 120.0,
     settle: float = 0.2,
     cancel_after: int | None = None,
+    cancel_when: threading.Event | None = None,
     parameters: dict | None = None,
     on_response: Callable[[], None] | None = None,
     outputs: list[str] | None = None,
@@ -128,7 +130,9 @@ def grpc_generate(
     """One request over a gRPC stream; waits `settle` s after the end to catch a second FINAL.
 
     `on_response` is called (on this thread) after each data response arrives; `outputs`: the
-    outputs to ask for (None: all)."""
+    outputs to ask for (None: all). `cancel_after` responses, or once `cancel_when` is set, the
+    request is cancelled (its error: "cancelled by test"): a test holds a long request in flight
+    for exactly as long as it needs, on a host of any speed."""
     inputs = inputs if inputs is not None else make_inputs(grpcclient, **kwargs)
     events: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
@@ -144,11 +148,19 @@ def grpc_generate(
         deadline = time.monotonic() + timeout
         while True:
             wait = settle if ended else max(0.0, deadline - time.monotonic())
+            if cancel_when is not None and not ended:
+                if cancel_when.is_set():
+                    client.stop_stream(cancel_requests=True)
+                    result.error = "cancelled by test"
+                    break
+                wait = min(wait, 0.02)
             try:
                 at, item, error = events.get(timeout=wait)
             except queue.Empty:
                 if ended:
                     break
+                if cancel_when is not None and time.monotonic() < deadline:
+                    continue
                 raise TimeoutError(
                     f"no final response from {model} within {timeout} s ({len(result.responses)} responses "
                     "received): the server or the model hangs"

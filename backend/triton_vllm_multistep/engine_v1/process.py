@@ -272,7 +272,8 @@ class EngineThread:
             return
         self._next_state = time.monotonic() + serve.state_interval
         total = self.engine.vllm_config.cache_config.num_gpu_blocks or 0
-        self.send(self.recorder.kv_cache_stats(total, running_fallback=len(self.in_flight)))
+        idle = not self.in_flight and not self.engine.has_unfinished_requests()
+        self.send(self.recorder.kv_cache_stats(total, running_fallback=len(self.in_flight), idle=idle))
 
 
 def serve_engine(connection: Connection) -> None:

@@ -74,9 +74,16 @@ class SchedulerStatsLogger:
             self._iteration_tokens, self._preemptions = None, 0
         return taken
 
-    def kv_cache_stats(self, total_blocks: int, running_fallback: int = 0) -> KvCacheStats:
+    def kv_cache_stats(self, total_blocks: int, running_fallback: int = 0, idle: bool = False) -> KvCacheStats:
+        """The newest stats as KvCacheStats. `idle`: the engine holds no request. vLLM records stats
+        only after a step, and aborting the last requests leaves nothing to step: the newest stats
+        would show their blocks and their count forever. Idle, no block is held (vLLM's usage counts
+        cached but unreferenced blocks as free), so the figures are zero."""
         with self._lock:
             stats, queries, hits = self._stats, self._queries, self._hits
+        hit_rate = hits / queries if queries else -1.0
+        if idle:
+            return KvCacheStats(total_blocks, total_blocks, 0, 0, prefix_cache_hit_rate=hit_rate)
         if stats is None:
             return KvCacheStats(total_blocks, total_blocks, running_fallback, 0)
         usage = float(getattr(stats, "kv_cache_usage", getattr(stats, "gpu_cache_usage", 0.0)))
@@ -86,5 +93,5 @@ class SchedulerStatsLogger:
             total_blocks=total_blocks,
             running=int(stats.num_running_reqs),
             waiting=int(stats.num_waiting_reqs),
-            prefix_cache_hit_rate=hits / queries if queries else -1.0,
+            prefix_cache_hit_rate=hit_rate,
         )
