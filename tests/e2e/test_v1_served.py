@@ -50,6 +50,7 @@ from triton_vllm_multistep.checks.v1_reference import offline_v1_outputs
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.engine import cpu_placement
 from triton_vllm_multistep.engine.process import v1_environment_python
+from triton_vllm_multistep.engine_v1.cpu_compile_cache import AOT_COMPILE_ENV
 from triton_vllm_multistep.host import probe
 from triton_vllm_multistep.testing import smollm3, vllm_serve
 from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model
@@ -359,7 +360,10 @@ def test_the_readmes_v1_model_answers_its_client_command_as_vllm_serve_does(v1_s
         "dtype": "float32",  # configs/cpu.pbtxt's engine_args
     }
     log = v1_server.log_path.parent / "vllm_serve_smollm2.log"
-    with vllm_serve.serving(v1_python(), fields, README_MODEL, log, {"VLLM_CPU_KVCACHE_SPACE": "1"}) as server:
+    # vLLM's compile cache as the served engine uses it on CPU (engine_v1/cpu_compile_cache.py): the same
+    # compiled model, loaded from the cache the served model's start filled instead of compiled again.
+    environment = {"VLLM_CPU_KVCACHE_SPACE": "1", AOT_COMPILE_ENV: "0"}
+    with vllm_serve.serving(v1_python(), fields, README_MODEL, log, environment) as server:
         _, answer, _ = server.completion(prompt, {"max_tokens": 32, "temperature": 0.0}, stream=False)
     # Loaded once `vllm serve` is gone (both at once: ~6 GB of SmolLM2 processes), unloaded after.
     with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:

@@ -37,7 +37,7 @@ from triton_vllm_multistep.engine.events import (
 )
 from triton_vllm_multistep.engine.messages import Abort, Built, EngineSpec, Serve, Stop, Stopped, build_failure, sender
 from triton_vllm_multistep.engine.outputs import plain_outputs
-from triton_vllm_multistep.engine_v1 import cpu_async, cpu_lora, stats
+from triton_vllm_multistep.engine_v1 import cpu_async, cpu_compile_cache, cpu_lora, stats
 from triton_vllm_multistep.engine_v1.sampling import UnsupportedOnV1, pooling_params, sampling_params
 from triton_vllm_multistep.interface import SERVED_TASKS
 
@@ -73,6 +73,7 @@ def build_engine(spec: EngineSpec) -> tuple[Any, stats.SchedulerStatsLogger]:
 
     if current_platform.is_cpu():
         refuse_image_models_on_cpu(engine_args)
+        cpu_compile_cache.use_loadable_compile_cache()  # before the engine core starts: it inherits it
     if engine_args.async_scheduling and current_platform.is_cpu():
         os.environ[cpu_async.KEEP_ENV] = "1"  # before the engine core starts: it inherits the environment
         cpu_async.keep_async_scheduling()
