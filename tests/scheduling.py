@@ -46,6 +46,10 @@ SESSION_SERVER_UNITS: dict[str, tuple[str, tuple[str, ...]]] = {
             "tests/e2e/test_engine_process_served.py",
             "tests/e2e/test_metrics.py",
             "tests/e2e/test_soak.py",
+            # Modules whose own models the session server loads for them (private_servers.loaded_into).
+            "tests/e2e/test_stream_modes.py",
+            "tests/e2e/test_prefix_caching_served.py",
+            "tests/e2e/test_lora_served.py",
         ),
     ),
 }

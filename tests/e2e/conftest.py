@@ -94,9 +94,12 @@ def model_repository(tmp_path_factory: pytest.TempPathFactory, demo_model_paths:
 
 @pytest.fixture(scope="session")
 def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """One real tritonserver (via the launcher) for every end-to-end test of the session."""
+    """One real tritonserver (via the launcher) for every end-to-end test of the session. In explicit
+    model control, every model of the repository loaded at the start: a module adds its own models
+    to the repository and loads them (private_servers.loaded_into) instead of starting a server."""
     log_dir = tmp_path_factory.mktemp("server-log")
-    handle, _ = start_ready_server(model_repository, log_dir / "tritonserver.log")
+    explicit = ("--model-control-mode=explicit", "--load-model=*")
+    handle, _ = start_ready_server(model_repository, log_dir / "tritonserver.log", *explicit)
     _SESSION_SERVERS["server"] = handle
     try:
         yield handle
@@ -179,11 +182,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items[:] = kept + stoppers + [item for item in items[last + 1 :] if item not in stoppers]
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """A session server stops once the last test of its unit (tests/scheduling.py) has run: its
     unit's modules run one after another on one worker, and nothing after them uses it; left running
     to the session's end it held ~10 GB (the SmolLM2 server) beside everything the worker ran next,
-    which put the 24 GB host into the OOM killer (measured: 0.8 GB left, then a killed engine)."""
+    which put the 24 GB host into the OOM killer (measured: 0.8 GB left, then a killed engine).
+    Last of the teardown hooks: after pytest's own, which ends the module fixtures that unload
+    their models from the server."""
     unit = scheduling.unit_of(item.nodeid)
     if unit not in scheduling.SESSION_SERVER_UNITS:
         return

@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,14 +29,17 @@ from triton_vllm_multistep.testing.polling import wait_for
 __all__ = [
     "REPO_ROOT",
     "SHIPPED_MODEL",
+    "add_models",
     "copy_pipeline_stages",
     "labels_of",
+    "loaded_into",
     "make_repository",
     "metric",
     "model_ready",
     "readme_client_command",
     "readme_lora_repository",
     "readme_repository",
+    "ready_lines",
     "scrape",
     "stub_processes",
     "wait_for",
@@ -53,9 +56,45 @@ def make_repository(root: Path, models: dict[str, dict]) -> Path:
     """
     repository = root / "repository"
     repository.mkdir(parents=True)
+    add_models(repository, models)
+    return repository
+
+
+def add_models(repository: Path, models: dict[str, dict]) -> None:
+    """Copies of the shipped LLM model added to `repository`, as `make_repository` makes them."""
     for name, spec in models.items():
         copy_model(SHIPPED_MODEL, repository / name, {**TINY_ENGINE, **spec.get("engine", {})}, spec.get("parameters"))
-    return repository
+
+
+@contextlib.contextmanager
+def loaded_into(server: ServerProcess, models: Iterable[str]) -> Iterator[ServerProcess]:
+    """A module's own models (already in its repository) loaded on a running server in explicit model
+    control (the session's tiny server), one at a time, and unloaded on the way out, their stubs and
+    engines gone before the next module loads its own: a module pays for its models, not for a
+    server of its own."""
+    import tritonclient.grpc as grpcclient
+
+    names = list(models)
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        try:
+            for name in names:
+                client.load_model(name)
+            yield server
+        finally:
+            for name in names:
+                client.unload_model(name)
+
+            def stubs_gone() -> bool:
+                lines = [" ".join(procfs.cmdline(stub.pid)) for stub in stub_processes(server)]
+                return not any(f"/{name}/" in line for line in lines for name in names)
+
+            assert wait_for(stubs_gone, 120), names
+
+
+def ready_lines(server: ServerProcess, model: str) -> list[str]:
+    """The backend's "model … ready" log lines of `model` on `server` (one per instance load)."""
+    log = server.log_path.read_text(errors="replace")
+    return [line for line in log.splitlines() if re.search(rf"model {re.escape(model)} \(.*?\) ready: ", line)]
 
 
 def copy_pipeline_stages(repository: Path, tokenizer: str = TINY_MODEL) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from private_servers import engine_processes, make_repository, serving
+from private_servers import add_models, engine_processes, loaded_into
 from triton_clients import StreamResult, grpc_generate
 
 from triton_vllm_multistep.engine import cpu_placement
@@ -28,16 +28,18 @@ PROMPTS = ["hello world", "the quick brown fox", "cats sleep near warm windows"]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> Iterator[ServerProcess]:
-    root: Path = tmp_path_factory.mktemp("engine_process")
+def process_server(server: ServerProcess, model_repository: Path) -> Iterator[ServerProcess]:
+    """The session's tiny server with this module's three models loaded (one engine is killed here)."""
     models = {
         IN_STUB: {"parameters": {"engine_process": "false"}},
-        OWN_PROCESS: {},
+        # Kept loaded once its engine is dead, as in default model control (the session server's is
+        # explicit, where the model would take itself out of service: test_health_lifecycle.py).
+        OWN_PROCESS: {"parameters": {"unload_on_engine_failure": "false"}},
         PINNED: {"parameters": {"engine_cpus": "last 1"}},  # = _engine_cpu()
     }
-    repository = make_repository(root, models)
-    with serving(repository, root / "tritonserver.log") as running:
-        yield running
+    add_models(model_repository, models)
+    with loaded_into(server, models):
+        yield server
 
 
 def _generate(server: ServerProcess, model: str, prompt: str, stream: bool = True, **sampling: object) -> StreamResult:
@@ -52,55 +54,58 @@ def _engine_cpu() -> int:
     return max(cpu_placement.allowed_cpus())
 
 
-def test_the_engine_runs_in_its_own_process_and_streams_what_the_stub_engine_streams(server: ServerProcess) -> None:
-    log = server.log_path.read_text(errors="replace")
+def test_the_engine_runs_in_its_own_process_and_streams_what_the_stub_engine_streams(
+    process_server: ServerProcess,
+) -> None:
+    log = process_server.log_path.read_text(errors="replace")
     assert re.search(rf"model {OWN_PROCESS} \(.*?\) ready: .*engine in a process of its own", log)
     assert re.search(rf"model {IN_STUB} \(.*?\) ready: .*engine in the stub", log)
     # The default (and the pinned model's); not the model that set engine_process false.
-    assert len(engine_processes(server)) == 2 and len(engine_processes(server, OWN_PROCESS)) == 1
+    own = {model: len(engine_processes(process_server, model)) for model in (IN_STUB, OWN_PROCESS, PINNED)}
+    assert own == {IN_STUB: 0, OWN_PROCESS: 1, PINNED: 1}, own
     for prompt in PROMPTS:
         for sampling in ({"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 5}):
-            want = _generate(server, IN_STUB, prompt, **sampling)
-            got = _generate(server, OWN_PROCESS, prompt, **sampling)
+            want = _generate(process_server, IN_STUB, prompt, **sampling)
+            got = _generate(process_server, OWN_PROCESS, prompt, **sampling)
             assert got.token_ids() == want.token_ids() and got.text() == want.text(), (prompt, sampling)
             # One response per decoded step, as in the stub.
             assert len(got.data_responses) == len(got.token_ids()) == len(want.data_responses)
-            whole = _generate(server, OWN_PROCESS, prompt, stream=False, **sampling)
+            whole = _generate(process_server, OWN_PROCESS, prompt, stream=False, **sampling)
             # Non-streamed text starts with the prompt (Triton's vLLM backend's exclude_input_in_output false).
             assert whole.token_ids() == got.token_ids() and whole.text() == prompt + got.text()
 
 
-def test_engine_cpus_puts_every_engine_thread_on_its_cpus_and_the_stub_off_them(server: ServerProcess) -> None:
+def test_engine_cpus_puts_every_engine_thread_on_its_cpus_and_the_stub_off_them(process_server: ServerProcess) -> None:
     cpu = _engine_cpu()
-    log = server.log_path.read_text(errors="replace")
+    log = process_server.log_path.read_text(errors="replace")
     ready = rf"model {PINNED} \(.*?\) ready: .*torch threads 1, engine in a process of its own on CPUs {cpu},"
     assert re.search(ready, log)
-    (engine,) = engine_processes(server, PINNED)
+    (engine,) = engine_processes(process_server, PINNED)
     engine_threads = cpu_placement.thread_cpus(engine.pid)
     assert len(engine_threads) > 1 and set(engine_threads.values()) == {(cpu,)}, engine_threads
     others = tuple(c for c in cpu_placement.allowed_cpus() if c != cpu)
     stub_threads = cpu_placement.thread_cpus(engine.parent().pid)
     assert set(stub_threads.values()) == {others}, stub_threads
     # The unpinned model's processes keep every CPU.
-    (unpinned,) = engine_processes(server, OWN_PROCESS)
+    (unpinned,) = engine_processes(process_server, OWN_PROCESS)
     assert set(cpu_placement.thread_cpus(unpinned.parent().pid).values()) == {cpu_placement.allowed_cpus()}
     for prompt in PROMPTS:
-        want = _generate(server, IN_STUB, prompt, temperature=0)
-        got = _generate(server, PINNED, prompt, temperature=0)
+        want = _generate(process_server, IN_STUB, prompt, temperature=0)
+        got = _generate(process_server, PINNED, prompt, temperature=0)
         assert got.token_ids() == want.token_ids() and len(got.data_responses) == len(want.data_responses)
     # Threads the stub started while serving (the responder's) stay off the engine's CPU too.
     assert set(cpu_placement.thread_cpus(engine.parent().pid).values()) == {others}
 
 
-def test_a_dead_engine_process_fails_its_requests_and_its_model_alone(server: ServerProcess) -> None:
-    (engine,) = engine_processes(server, OWN_PROCESS)
+def test_a_dead_engine_process_fails_its_requests_and_its_model_alone(process_server: ServerProcess) -> None:
+    (engine,) = engine_processes(process_server, OWN_PROCESS)
     in_flight: list[StreamResult] = []
     first_response = threading.Event()
 
     def long_request() -> None:
         in_flight.append(
             grpc_generate(
-                server.grpc_url,
+                process_server.grpc_url,
                 OWN_PROCESS,
                 prompt="count to a thousand",
                 sampling={"max_tokens": 200, "ignore_eos": True},
@@ -118,7 +123,7 @@ def test_a_dead_engine_process_fails_its_requests_and_its_model_alone(server: Se
     (stream,) = in_flight
     assert stream.finals == 1 and stream.error is not None and "engine process exited" in stream.error
     assert wait_for(lambda: not engine.is_running(), 30)
-    after = grpc_generate(server.grpc_url, OWN_PROCESS, prompt="hello", sampling={"max_tokens": 4})
+    after = grpc_generate(process_server.grpc_url, OWN_PROCESS, prompt="hello", sampling={"max_tokens": 4})
     assert after.finals == 1 and after.error is not None and "unhealthy vLLM engine" in after.error
     # The other model, and the server, go on.
-    assert _generate(server, IN_STUB, "hello world", temperature=0).token_ids()
+    assert _generate(process_server, IN_STUB, "hello world", temperature=0).token_ids()

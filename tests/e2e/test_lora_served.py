@@ -20,18 +20,19 @@ from pathlib import Path
 import pytest
 import requests
 import tritonclient.grpc as grpcclient
-from private_servers import metric, model_ready, scrape
-from served_models import TINY_ENGINE
+from private_servers import loaded_into, metric, model_ready, scrape
+from served_models import LLM_MODEL, TINY_ENGINE
 from triton_clients import grpc_generate
 from tritonclient.utils import InferenceServerException
 
 from triton_vllm_multistep.checks import adapters as lora
 from triton_vllm_multistep.demo import models as demo_models
-from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, start_server
+from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model
 from triton_vllm_multistep.testing.polling import wait_for
 
 SHIPPED_MODEL = Path(__file__).resolve().parents[2] / "model_repository" / "vllm_model"
-STEPS8, STEPS1, NO_LORA = "lora_llm", "lora_llm_steps1", "no_lora_llm"
+STEPS8, STEPS1 = "lora_llm", "lora_llm_steps1"
+NO_LORA = LLM_MODEL  # the session server's: LoRA off
 LORA_ENGINE = {**TINY_ENGINE, "enable_lora": "true", "max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 2}
 MAX_TOKENS = 20
 PROMPTS = {"base": [1, 5, 9, 12, 40], "doll": [1, 5, 9, 12, 40], "sheep": [3, 8, 2, 44, 17, 9]}
@@ -73,14 +74,18 @@ def adapters(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
 
 @pytest.fixture(scope="module")
 def lora_server(
-    tmp_path_factory: pytest.TempPathFactory, model_dir: Path, adapters: dict[str, Path]
+    server: ServerProcess,
+    model_repository: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    model_dir: Path,
+    adapters: dict[str, Path],
 ) -> Iterator[ServerProcess]:
+    """The session's tiny server with the two LoRA models loaded (NO_LORA is its vllm_model); the bad
+    ones are in its repository for their tests to load."""
     root = tmp_path_factory.mktemp("lora-served")
-    repository = root / "repository"
     entries = {"doll": "adapters/doll", "sheep": "adapters/sheep"}
-    _lora_model(repository, STEPS8, LORA_ENGINE, entries, adapters)
-    _lora_model(repository, STEPS1, {**LORA_ENGINE, "num_scheduler_steps": 1}, entries, adapters)
-    _lora_model(repository, NO_LORA, dict(TINY_ENGINE), None, {})
+    _lora_model(model_repository, STEPS8, LORA_ENGINE, entries, adapters)
+    _lora_model(model_repository, STEPS1, {**LORA_ENGINE, "num_scheduler_steps": 1}, entries, adapters)
     extra = {
         "wide": lora.write_adapter(model_dir, root / "wide", seed=13, rank=32, alpha=32),
         "odd": _adapter_with_module(model_dir, root / "odd", "input_layernorm"),
@@ -88,18 +93,9 @@ def lora_server(
     }
     for name, (entries_or_why, _) in BAD_MODELS.items():
         bad_entries = None if isinstance(entries_or_why, str) else entries_or_why
-        _lora_model(repository, name, LORA_ENGINE, bad_entries, {k: v for k, v in extra.items()})
-    server = start_server(
-        repository, root / "tritonserver.log", "--model-control-mode=explicit", f"--load-model={STEPS8}"
-    )
-    try:
-        server.wait_ready(timeout=600)
-        client = grpcclient.InferenceServerClient(server.grpc_url)
-        for model in (STEPS1, NO_LORA):  # one at a time: three engines starting at once crowd 2 cores
-            client.load_model(model)
+        _lora_model(model_repository, name, LORA_ENGINE, bad_entries, {k: v for k, v in extra.items()})
+    with loaded_into(server, (STEPS8, STEPS1)):
         yield server
-    finally:
-        server.stop()
 
 
 def _adapter_with_module(model_dir: Path, out: Path, module: str) -> Path:

@@ -13,31 +13,29 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from private_servers import make_repository, metric, scrape, serving, wait_for
+from private_servers import add_models, loaded_into, metric, scrape, wait_for
+from served_models import LLM_MODEL
 from triton_clients import grpc_generate
 
 from triton_vllm_multistep.testing.local_server import ServerProcess
 
 PLAIN = "llm_plain"
 CACHED = "llm_prefix_cached"
-WITHOUT_IPEX = "llm_without_ipex"
+WITHOUT_IPEX = LLM_MODEL  # the session server's: use_ipex auto, off without prefix caching
 SYSTEM = "system: you are terse; answer in plain words, count like 1 2 3 when asked. user: "
 QUESTIONS = ["hello world", "the quick brown fox", "cats sleep near warm windows", "people write code"]
 HIT_RATE = "vllm:gpu_prefix_cache_hit_rate"
 
 
 @pytest.fixture(scope="module")
-def prefix_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> Iterator[ServerProcess]:
-    root: Path = tmp_path_factory.mktemp("prefix_caching")
-    repository = make_repository(
-        root,
-        {
-            PLAIN: {"parameters": {"use_ipex": "true"}},
-            CACHED: {"engine": {"enable_prefix_caching": True}},  # use_ipex auto: on, caching needs it
-            WITHOUT_IPEX: {},  # use_ipex auto: off without prefix caching
-        },
-    )
-    with serving(repository, root / "tritonserver.log") as server:
+def prefix_server(server: ServerProcess, model_repository: Path) -> Iterator[ServerProcess]:
+    """The session's tiny server with this module's two models loaded; WITHOUT_IPEX is its vllm_model."""
+    models = {
+        PLAIN: {"parameters": {"use_ipex": "true"}},
+        CACHED: {"engine": {"enable_prefix_caching": True}},  # use_ipex auto: on, caching needs it
+    }
+    add_models(model_repository, models)
+    with loaded_into(server, models):
         yield server
 
 
@@ -97,7 +95,8 @@ def test_use_ipex_auto_serves_without_ipex_unless_prefix_caching_and_the_greedy_
     prefix_server: ServerProcess,
 ) -> None:
     log = prefix_server.log_path.read_text(errors="replace")
-    kernels = dict(re.findall(r"model (\S+) \(.*?\) ready: .*?attention kernels (.*?), drains", log))
+    found = re.findall(r"model (\S+) \(.*?\) ready: .*?attention kernels (.*?), drains", log)
+    kernels = {model: kernel for model, kernel in found if model in (WITHOUT_IPEX, PLAIN, CACHED)}
     # Each model runs in a stub of its own: turning IPEX off in one leaves the others on it.
     assert kernels == {
         WITHOUT_IPEX: "PyTorch SDPA (IPEX off: use_ipex)",

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 import tritonclient.grpc.aio as grpcaio
-from private_servers import make_repository, serving
+from private_servers import add_models, loaded_into, ready_lines
+from served_models import LLM_MODEL
 from triton_clients import StreamResult, aio_generate, grpc_generate, http_generate
 
 from triton_vllm_multistep.testing.local_server import ServerProcess
 
-STEP = "llm_step"
+STEP = LLM_MODEL  # the session server's LLM model: per-step streaming, the default
 MERGE = "llm_merge"
 EVERY_3 = "llm_every_3"
 TOKENS = 40
@@ -30,17 +31,11 @@ PROMPTS = [f"stream number {i} tells a story about {word}" for i, word in enumer
 
 
 @pytest.fixture(scope="module")
-def modes_server(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) -> Iterator[ServerProcess]:
-    root: Path = tmp_path_factory.mktemp("stream_modes")
-    repository = make_repository(
-        root,
-        {
-            STEP: {},
-            MERGE: {"parameters": {"stream_mode": "merge"}},
-            EVERY_3: {"parameters": {"stream_interval": "3"}},
-        },
-    )
-    with serving(repository, root / "tritonserver.log") as server:
+def modes_server(server: ServerProcess, model_repository: Path) -> Iterator[ServerProcess]:
+    """The session's tiny server with this module's two models loaded; STEP is its vllm_model."""
+    models = {MERGE: {"parameters": {"stream_mode": "merge"}}, EVERY_3: {"parameters": {"stream_interval": "3"}}}
+    add_models(model_repository, models)
+    with loaded_into(server, models):
         yield server
 
 
@@ -124,5 +119,5 @@ def test_the_small_demo_model_is_served_with_a_core_left_for_the_response_path(m
     cores = len(os.sched_getaffinity(0))
     if cores < 2 or os.environ.get("OMP_NUM_THREADS") or os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
         pytest.skip("the policy leaves a core only on 2+ cores without a user thread setting")
-    log = modes_server.log_path.read_text(errors="replace")
-    assert log.count(f"torch threads {cores - 1},") == 3, [line for line in log.splitlines() if "torch threads" in line]
+    lines = [line for model in (STEP, MERGE, EVERY_3) for line in ready_lines(modes_server, model)]
+    assert len(lines) == 3 and all(f"torch threads {cores - 1}," in line for line in lines), lines
