@@ -16,6 +16,7 @@ README's SmolLM2 on V1; the engine-process seam is tests/engine/test_v1_engine_p
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
@@ -29,6 +30,7 @@ from typing import Any
 
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
 from private_servers import (
     REPO_ROOT,
     engine_processes,
@@ -42,7 +44,7 @@ from private_servers import (
     watch_as_a_router,
 )
 from served_models import TINY_ENGINE
-from triton_clients import grpc_generate
+from triton_clients import aio_generate, grpc_generate
 from tritonclient.utils import InferenceServerException
 
 from triton_vllm_multistep.checks import adapters
@@ -513,18 +515,17 @@ def test_a_router_sees_a_v1_models_batch_fill_queue_and_preempt_with_vllms_metri
     try:
         sampling = {**GREEDY, "max_tokens": tokens}
 
-        def run() -> list:
-            with ThreadPoolExecutor(streams) as pool:
+        async def run_all() -> list:
+            # One client, the streams sent together (eight client threads, each connecting on a busy
+            # host, once reached the engine one by one: each ended before the next came).
+            async with grpcaio.InferenceServerClient(v1_server.grpc_url) as client:
                 jobs = [
-                    pool.submit(
-                        grpc_generate, v1_server.grpc_url, V1_SMALL_CACHE, input_ids=[1, 5, 9 + i], sampling=sampling,
-                        stream=True,
-                    )
+                    aio_generate(client, V1_SMALL_CACHE, input_ids=[1, 5, 9 + i], sampling=sampling, stream=True)
                     for i in range(streams)
-                ]  # fmt: skip
-                return [job.result() for job in jobs]
+                ]
+                return await asyncio.gather(*jobs)
 
-        view = watch_as_a_router(v1_server, V1_SMALL_CACHE, run)
+        view = watch_as_a_router(v1_server, V1_SMALL_CACHE, lambda: asyncio.run(run_all()))
     finally:
         with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
             client.unload_model(V1_SMALL_CACHE)
