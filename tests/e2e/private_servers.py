@@ -85,8 +85,7 @@ def loaded_into(server: ServerProcess, models: Iterable[str]) -> Iterator[Server
                 client.unload_model(name)
 
             def stubs_gone() -> bool:
-                lines = [" ".join(procfs.cmdline(stub.pid)) for stub in stub_processes(server)]
-                return not any(f"/{name}/" in line for line in lines for name in names)
+                return not any(server.running_with(f"/{name}/1/model.py") for name in names)
 
             assert wait_for(stubs_gone, 120), names
 

@@ -147,13 +147,16 @@ def grpc_generate(
         )
         deadline = time.monotonic() + timeout
         while True:
+            if not ended and (
+                (cancel_after is not None and len(result.responses) >= cancel_after)
+                or (cancel_when is not None and cancel_when.is_set())
+            ):
+                client.stop_stream(cancel_requests=True)
+                result.error = "cancelled by test"
+                break
             wait = settle if ended else max(0.0, deadline - time.monotonic())
             if cancel_when is not None and not ended:
-                if cancel_when.is_set():
-                    client.stop_stream(cancel_requests=True)
-                    result.error = "cancelled by test"
-                    break
-                wait = min(wait, 0.02)
+                wait = min(wait, 0.02)  # looks at the event again that often
             try:
                 at, item, error = events.get(timeout=wait)
             except queue.Empty:
@@ -179,10 +182,6 @@ def grpc_generate(
                 result.final_ns = result.final_ns or time.time_ns()
                 result.finals += 1
                 ended = True
-            if cancel_after is not None and len(result.responses) >= cancel_after and not ended:
-                client.stop_stream(cancel_requests=True)
-                result.error = "cancelled by test"
-                break
     finally:
         # A stream without its FINAL is cancelled, not closed: closing waits for the server to end
         # the stream, which a hung server never does (the wait would be the test's whole timeout).
