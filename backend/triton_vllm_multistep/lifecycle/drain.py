@@ -196,8 +196,12 @@ class UnloadDrain:
         """Tell whoever asked (launcher, `drain` command), once the requests are answered, how many there were."""
         self._wait_idle(5.0, interval=0.02)
         assert self._drain_file is not None
+        marker = drained_marker(self._drain_file, os.getpid())
+        staging = marker.with_name(f".{marker.name}.writing")
         try:
-            drained_marker(self._drain_file, os.getpid()).write_text(f"{count}\n")
+            # Whole or absent: a reader that found the marker created but not yet written read 0 requests.
+            staging.write_text(f"{count}\n")
+            os.replace(staging, marker)
         except OSError as error:
             logger.warning("vllm_multistep: model %s: cannot mark the drain done: %s", self.model_name, error)
 
