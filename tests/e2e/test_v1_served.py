@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -81,8 +82,10 @@ V1_LORA = "llm_v1_lora"
 V1_BIASED_LORA = "llm_v1_biased_lora"  # multi_lora.json names an adapter with a bias
 V1_IMAGES = "llm_v1_images"  # the tiny LLaVA demo model on V1
 V1_SMALL_CACHE = "llm_v1_small_cache"
-V1_PRIORITY = "llm_v1_priority"  # scheduling_policy "priority", one sequence at a time
-V1_PINNED = "llm_v1_pinned"  # engine_cpus "last 1"
+# scheduling_policy "priority", one sequence at a time, and engine_cpus "last 1": one model for the
+# priority and the CPU-placement tests (one V1 load less; one CPU also slows the long request the
+# priority test holds in flight).
+V1_PRIORITY = V1_PINNED = "llm_v1_priority_pinned"
 EMBEDDING_MODEL, V1_EMBEDDING = "embedding_model", "embedding_v1"  # the shipped embedding model, on V1
 V1_LORA_ENGINE = {**V1_ENGINE, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
 LORA_NAMES = ("doll", "sheep")  # multi_lora.json's order: lora_int_id 1, 2
@@ -146,10 +149,9 @@ def v1_server(
     # Four 128-token KV blocks (three usable): eight streams overfill them (the router metrics' test loads it).
     small_cache = {**V1_ENGINE, "max_model_len": 384, "num_gpu_blocks_override": 4}  # one block is V1's null block
     copy_model(SHIPPED_MODEL, repository / V1_SMALL_CACHE, {**TINY_ENGINE, **small_cache}, {"vllm_engine": "v1"})
-    # The model's whole length (2,048 positions): its test holds one long request in flight.
+    # The model's whole length (2,048 positions): the priority test holds one long request in flight.
     priority = {**V1_ENGINE, "scheduling_policy": "priority", "max_num_seqs": 1, "max_model_len": 2048}
-    copy_model(SHIPPED_MODEL, repository / V1_PRIORITY, {**TINY_ENGINE, **priority}, {"vllm_engine": "v1"})
-    copy_model(SHIPPED_MODEL, repository / V1_PINNED, {**TINY_ENGINE, **V1_ENGINE},
+    copy_model(SHIPPED_MODEL, repository / V1_PRIORITY, {**TINY_ENGINE, **priority},
                {"vllm_engine": "v1", "engine_cpus": "last 1"})  # fmt: skip
     # The shipped embedding model on V1 (vLLM 0.32 finds an embedding model itself: no `task`), loaded by its test.
     copy_model(REPO_ROOT / "model_repository" / EMBEDDING_MODEL, repository / V1_EMBEDDING,
@@ -534,16 +536,28 @@ def test_a_router_sees_a_v1_models_batch_fill_queue_and_preempt_with_vllms_metri
     view.assert_filled_queued_and_preempted(streams, streams * (3 + tokens))
 
 
+@pytest.fixture(scope="module")
+def priority_pinned(v1_server: ServerProcess) -> Iterator[ServerProcess]:
+    """V1_PRIORITY (= V1_PINNED) loaded once for its two tests, unloaded after the last."""
+    with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
+        client.load_model(V1_PRIORITY)
+    try:
+        yield v1_server
+    finally:
+        with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
+            client.unload_model(V1_PRIORITY)
+
+
 def test_a_v1_model_with_the_priority_policy_schedules_an_urgent_waiting_request_first(
-    v1_server: ServerProcess,
+    priority_pinned: ServerProcess,
 ) -> None:
     """scheduling_policy "priority" on V1 (its meaning: the waiting queue in priority order): one
     sequence at a time; while a long request runs, a request of priority 5 queues, then one of
     priority 0; the long one is then cancelled: the urgent one is scheduled first. Each answer is the
     one llm_v1 gives alone. The long request is held until both wait (900 tokens once ended before
     the second arrived on a fast host)."""
-    with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
-        client.load_model(V1_PRIORITY)
+    v1_server = priority_pinned
+    seen: list[tuple[float, float]] = []  # (seconds since the long request's first response, waiting)
     try:
         running, both_waiting = threading.Event(), threading.Event()
         long: list[Any] = []
@@ -557,6 +571,7 @@ def test_a_v1_model_with_the_priority_policy_schedules_an_urgent_waiting_request
         )  # fmt: skip
         thread.start()
         assert running.wait(60)
+        first_response = time.monotonic()
         queued: dict[str, Any] = {}
 
         def ask(name: str, priority: int, prompt: tuple[int, ...]) -> None:
@@ -566,21 +581,22 @@ def test_a_v1_model_with_the_priority_policy_schedules_an_urgent_waiting_request
             )
 
         def waiting() -> float:
-            return metric(scrape(v1_server), "vllm:num_requests_waiting", V1_PRIORITY) or 0
+            value = metric(scrape(v1_server), "vllm:num_requests_waiting", V1_PRIORITY) or 0
+            seen.append((round(time.monotonic() - first_response, 2), value))
+            return value
 
         asked = []
         for name, priority, prompt in (("later", 5, PROMPTS[1]), ("urgent", 0, PROMPTS[2])):
             asked.append(threading.Thread(target=ask, args=(name, priority, prompt)))
             asked[-1].start()
             count = len(asked)
-            assert wait_for(lambda count=count: waiting() >= count, 60, interval=0.02), name  # queued, in order
+            # Queued, in order (on failure: what was seen, and whether the long request had ended).
+            assert wait_for(lambda count=count: waiting() >= count, 60, interval=0.02), (name, seen[-20:], long)
         both_waiting.set()
         for waiter in (*asked, thread):
             waiter.join(120)
     finally:
         both_waiting.set()
-        with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
-            client.unload_model(V1_PRIORITY)
     assert long[0].error == "cancelled by test", long[0].error  # it held the one sequence until both waited
     assert all(r.error is None for r in queued.values()), [r.error for r in queued.values()]
     urgent, later_one = queued["urgent"].perf_metrics(), queued["later"].perf_metrics()
@@ -680,30 +696,27 @@ def test_a_v1_engine_core_that_dies_fails_its_requests_and_its_model_alone_and_t
 
 
 def test_engine_cpus_on_v1_puts_its_engine_process_and_vllms_core_on_them_and_the_stub_off_them(
-    v1_server: ServerProcess, reference: dict[str, tuple[list[int], str]]
+    priority_pinned: ServerProcess, reference: dict[str, tuple[list[int], str]]
 ) -> None:
     """config.pbtxt `engine_cpus` on a V1 model: every thread of its engine process and of vLLM's engine
-    core below it runs on the named CPU, the model's stub on the others; the answers stay `vllm serve`'s."""
+    core below it runs on the named CPU, the model's stub on the others; the answers stay `vllm serve`'s
+    (one request at a time: the model's other settings, priority scheduling of one sequence, do not
+    change them)."""
+    v1_server = priority_pinned
     cpu = max(cpu_placement.allowed_cpus())  # "last 1"
     others = tuple(c for c in cpu_placement.allowed_cpus() if c != cpu)
-    with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
-        client.load_model(V1_PINNED)
-    try:
-        log = v1_server.log_path.read_text(errors="replace")
-        assert re.search(rf"model {V1_PINNED} \(.*?\) ready: .*engine in a process of its own on CPUs {cpu},", log)
-        (engine,) = engine_processes(v1_server, V1_PINNED, v1=True)
-        (core,) = vllm_core_processes(engine)
-        for process in (engine, core):
-            threads = cpu_placement.thread_cpus(process.pid)
-            assert threads and set(threads.values()) == {(cpu,)}, (process.cmdline(), threads)
-        for i, ids in enumerate(PROMPTS):
-            result = grpc_generate(v1_server.grpc_url, V1_PINNED, input_ids=list(ids), sampling=GREEDY, stream=True)
-            assert result.error is None and (result.token_ids(), result.text()) == tuple(reference[f"greedy-{i}"])
-        # Threads the stub started while serving (its responder's) stay off the engine's CPU too.
-        assert set(cpu_placement.thread_cpus(engine.parent().pid).values()) == {others}
-    finally:
-        with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
-            client.unload_model(V1_PINNED)
+    log = v1_server.log_path.read_text(errors="replace")
+    assert re.search(rf"model {V1_PINNED} \(.*?\) ready: .*engine in a process of its own on CPUs {cpu},", log)
+    (engine,) = engine_processes(v1_server, V1_PINNED, v1=True)
+    (core,) = vllm_core_processes(engine)
+    for process in (engine, core):
+        threads = cpu_placement.thread_cpus(process.pid)
+        assert threads and set(threads.values()) == {(cpu,)}, (process.cmdline(), threads)
+    for i, ids in enumerate(PROMPTS):
+        result = grpc_generate(v1_server.grpc_url, V1_PINNED, input_ids=list(ids), sampling=GREEDY, stream=True)
+        assert result.error is None and (result.token_ids(), result.text()) == tuple(reference[f"greedy-{i}"])
+    # Threads the stub started while serving (its responder's) stay off the engine's CPU too.
+    assert set(cpu_placement.thread_cpus(engine.parent().pid).values()) == {others}
 
 
 def vllm_core_processes(engine: Any) -> list[Any]:
