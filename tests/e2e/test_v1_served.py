@@ -162,6 +162,10 @@ def v1_server(
     args = ("--model-control-mode=explicit", *(f"--load-model={m}" for m in loaded))
     with serving(repository, root / "tritonserver.log", *args) as server:
         yield server
+    # Every stub exited when its model was unloaded (a V1 stub that kept a request batch to its exit
+    # aborted there, or never exited: stub/codec.py import_sampling_checks).
+    log = (root / "tritonserver.log").read_text(errors="replace")
+    assert "Exit timeout expired" not in log and "lock_exception" not in log, log[-5000:]
 
 
 def served_fields(model: str) -> dict:
@@ -387,6 +391,9 @@ def test_the_readmes_v1_model_answers_its_client_command_as_vllm_serve_does(v1_s
     assert done.returncode == 0, done.stderr
     assert done.stdout == answer + "\n"
     assert answer.strip()
+    # The unload completes: Triton waits for the stub's exit, which a kept request batch prevented.
+    unloaded = f"successfully unloaded '{README_MODEL}'"
+    assert wait_for(lambda: unloaded in v1_server.log_path.read_text(errors="replace"), 60), v1_server.log_tail()
 
 
 @pytest.mark.parametrize("kind", sorted(STRUCTURED))

@@ -387,6 +387,18 @@ def structured_output(name: str, value: Any) -> dict[str, Any]:
     return {kind: constraint, **options}
 
 
+def import_sampling_checks() -> None:
+    """Import what `sampling_params` checks with (vLLM's SamplingParams) now, on the thread loading
+    the model, never first inside execute(): vLLM 0.8.5 keeps the traceback of its failed `import ray`
+    (vllm/executor/ray_utils.py), and with it every frame of the stack that first imported vLLM. From
+    execute() that stack holds the batch's Triton request objects for the stub's whole life; their
+    destructors then run at the stub's exit, after Triton has released the stub's shared memory: the
+    stub aborts (`boost::interprocess::lock_exception`) or never exits, and Triton waits for it
+    forever (the unload never completes; the server's stop runs into its exit timeout). Measured on a
+    V1 model, whose stub imports vLLM for nothing else (docs/lifecycle.md)."""
+    import vllm.sampling_params  # noqa: F401
+
+
 def sampling_params(
     fields: Mapping[str, Any], stream: bool, limits: ModelLimits, source: str = SAMPLING_TENSOR
 ) -> tuple[SamplingParams, dict[str, Any]]:

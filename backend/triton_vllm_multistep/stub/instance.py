@@ -264,6 +264,7 @@ class ModelServer:
         """execute()'s tokenizer (none for a V1 model: `engine_args` None; its engine process reports
         the vocabulary of model and tokenizer both) and the model's request limits."""
         facts = self.loop.facts
+        codec.import_sampling_checks()  # here, not first in execute(): see there
         self._tokenizer = None if engine_args is None else self._load_tokenizer(engine_args)
         vocab_size = facts.vocab_size if self._tokenizer is None else token_ids_of(self._tokenizer, facts.vocab_size)
         self.limits = codec.ModelLimits(
