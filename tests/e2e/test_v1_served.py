@@ -35,6 +35,7 @@ import tritonclient.grpc.aio as grpcaio
 from private_servers import (
     REPO_ROOT,
     engine_processes,
+    loaded_into,
     make_repository,
     metric,
     model_ready,
@@ -546,13 +547,8 @@ def test_a_router_sees_a_v1_models_batch_fill_queue_and_preempt_with_vllms_metri
 @pytest.fixture(scope="module")
 def priority_pinned(v1_server: ServerProcess) -> Iterator[ServerProcess]:
     """V1_PRIORITY (= V1_PINNED) loaded once for its two tests, unloaded after the last."""
-    with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
-        client.load_model(V1_PRIORITY)
-    try:
-        yield v1_server
-    finally:
-        with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
-            client.unload_model(V1_PRIORITY)
+    with loaded_into(v1_server, [V1_PRIORITY]) as server:
+        yield server
 
 
 def test_a_v1_model_with_the_priority_policy_schedules_an_urgent_waiting_request_first(
