@@ -433,8 +433,7 @@ def test_a_stub_lost_to_a_stall_of_it_and_its_guard_brings_the_server_back_resta
     assert wait_for(lambda: not tritonserver.is_running() or tritonserver.status() == psutil.STATUS_ZOMBIE, 10)
     server.wait_ready(timeout=600)
     log = server.log_path.read_text(errors="replace")
-    assert f"stub {MODEL}_0_0 (pid {stub.pid}) is lost" in log, server.log_tail()
-    assert "tritonserver was killed by SIGKILL without being asked to stop" in log
+    assert_taken_down_for(log, f"{MODEL}_0_0", stub.pid, server.log_tail())
     assert "--restart-on-crash: starting it again (restart 1)" in log
     assert metric(scrape(server), "vllm_multistep:server_restarts_total", MODEL) == 1
     after = grpc_generate(server.grpc_url, MODEL, prompt="restarted", sampling=SHORT, stream=True)
@@ -467,8 +466,23 @@ def test_without_restart_the_launcher_exits_at_once_naming_the_lost_stub(
         server.stop()
     log = server.log_path.read_text(errors="replace")
     assert code != 0 and took < 5.0, (code, took, server.log_tail())
-    assert f"stub preprocessing_0_0 (pid {stub.pid}) is lost" in log, server.log_tail()
-    assert "tritonserver was killed by SIGKILL without being asked to stop: stub preprocessing_0_0" in log
+    assert_taken_down_for(log, "preprocessing_0_0", stub.pid, server.log_tail())
+
+
+def assert_taken_down_for(log: str, instance: str, pid: int, tail: str) -> None:
+    """tritonserver went down for the stub stopped with its guard, and the launcher named why. Either
+    order is the design's (docs/lifecycle.md, "What cannot be contained"): the guard, resumed, calls the
+    stub lost and SIGKILLs tritonserver; or tritonserver's Python backend touches the stub's region first
+    and aborts (lock_exception) before the guard's next look (CI, stop 39), and the launcher names the
+    guard's recorded gap."""
+    if f"stub {instance} (pid {pid}) is lost" in log:
+        assert f"tritonserver was killed by SIGKILL without being asked to stop: stub {instance}" in log, tail
+    else:
+        assert "boost::interprocess::lock_exception" in log, tail
+        assert (
+            f"tritonserver was killed by SIGABRT without being asked to stop: the guard of stub {instance} did not run"
+            in log
+        ), tail
 
 
 def _preprocess(client: grpcclient.InferenceServerClient) -> None:
