@@ -37,16 +37,19 @@ async def main() -> int:
     async def requests():
         yield {"model_name": args.model, "inputs": build_inputs(args.prompt, sampling)}
 
+    failed = False
     async with grpcclient.InferenceServerClient(args.url) as client:
+        # Read to the stream's end, which the server makes right after the final response; do not
+        # break out at the final one: Triton 2.51 can lose the state of a stream cancelled as it
+        # ends, and keep the model from unloading (docs/lifecycle.md).
         async for result, error in client.stream_infer(requests()):
             if error is not None:
                 print(f"\nerror: {error}", file=sys.stderr)
-                return 1
+                failed = True
+                continue
             print(result.as_numpy("text_output")[0].decode("utf-8"), end="", flush=True)
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
     print()
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

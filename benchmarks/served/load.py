@@ -110,18 +110,19 @@ class TritonStreams:
             yield {"model_name": MODEL, "inputs": inputs, "outputs": outputs, "enable_empty_final_response": True}
 
         try:
+            # Read to the stream's end, which the server makes right after the FINAL: a stream cancelled
+            # as the server finishes it can leave its model unable to unload in Triton 2.51
+            # (docs/lifecycle.md, "A stream cancelled as it ends").
             async for result, error in self._client.stream_infer(requests()):
                 now = time.perf_counter()
                 if error is not None:
-                    record.error = str(error)
-                    break
+                    record.error = record.error or str(error)
+                    continue
                 response = result.get_response()
                 count = _token_count(response, self._count_output)
                 if count:
                     record.arrivals.append(now)
                     record.counts.append(count)
-                if response.parameters["triton_final_response"].bool_param:
-                    break
         except Exception as error:  # transport errors count as errors, not crashes
             record.error = f"{type(error).__name__}: {error}"
         return record

@@ -190,25 +190,32 @@ def grpc_generate(
     return result
 
 
-async def aio_generate(client: grpcaio.InferenceServerClient, model: str, **kwargs: Any) -> StreamResult:
-    """One streaming request with tritonclient.grpc.aio on a shared client."""
+async def aio_generate(
+    client: grpcaio.InferenceServerClient, model: str, timeout: float = 120.0, **kwargs: Any
+) -> StreamResult:
+    """One streaming request with tritonclient.grpc.aio on a shared client, read to the stream's end.
+
+    Never cancelled after its FINAL: Triton 2.51's gRPC frontend can lose a stream's state when a
+    client cancels it while the server is finishing it (fixed upstream in 25.04, server PR 8078),
+    and the lost state keeps its model from ever unloading (docs/lifecycle.md)."""
     inputs = make_inputs(grpcaio, **kwargs)
     result = StreamResult(started_at=time.perf_counter())
 
     async def requests_iter():
         yield {"model_name": model, "inputs": inputs, "enable_empty_final_response": True}
 
-    async for item, error in client.stream_infer(requests_iter()):
+    # The stream ends when the server closes it, right after the FINAL (the request side is closed
+    # once the one request is sent); the deadline only bounds a hung server.
+    async for item, error in client.stream_infer(requests_iter(), stream_timeout=timeout):
         if error is not None:
             result.error = str(error)
             result.finals += 1
-            break
+            continue
         if result.first_response_at is None:
             result.first_response_at = time.perf_counter()
         result.responses.append(_arrays(item))
         if item.get_response().parameters["triton_final_response"].bool_param:
             result.finals += 1
-            break
     return result
 
 

@@ -32,6 +32,26 @@ from triton_vllm_multistep.interface import NUM_OUTPUT_TOKENS, TEXT_OUTPUT, enco
 logger = logging.getLogger("triton_vllm_multistep.frontend")
 
 
+# How long a stream whose FINAL came may take to be ended by the server (it ends it at once).
+STREAM_END_SECONDS = 5.0
+
+
+async def end_stream(responses: Any, answered: bool, timeout: float = STREAM_END_SECONDS) -> None:
+    """End one gRPC stream of `stream_infer`: cancelled when its request is unanswered; otherwise read
+    to its end, which the server makes right after the FINAL. Never cancelled once answered: Triton
+    2.51's gRPC frontend can lose the state of a stream cancelled while it finishes it, and that state
+    keeps its model from ever unloading (docs/lifecycle.md, "A stream cancelled as it ends")."""
+    if answered:
+        try:
+            async with asyncio.timeout(timeout):
+                async for _ in responses:
+                    pass  # nothing comes after a FINAL
+            return
+        except Exception as error:  # TimeoutError, or the stream failed: nothing more to read from it
+            logger.debug("a gRPC stream did not end cleanly after its FINAL (%s): cancelling it", error)
+    responses.cancel()
+
+
 class ModelConfigOnly:
     """The part of a VllmConfig vLLM's OpenAI serving code reads (its model_config)."""
 
@@ -147,26 +167,25 @@ class TritonEngineClient(EngineClient):
             }
 
         responses = self._client.stream_infer(one_request())
-        ended = False
+        answered = False  # the model's FINAL (or its error) came: the server ends the stream itself
         try:
             async for result, error in responses:
                 if error is not None:
-                    ended = True
+                    answered = True
                     raise await self._request_error(str(error))
                 response = result.get_response()
                 final = response.parameters.get("triton_final_response")
+                answered = final is not None and final.bool_param
                 yield triton_requests.response_values(response)
-                if final is not None and final.bool_param:
-                    ended = True
+                if answered:
                     return
         except InferenceServerException as error:  # the stream itself failed (server gone, ...)
-            ended = True
+            answered = True
             raise await self._request_error(str(error)) from None
         finally:
-            if not ended:
-                # The HTTP client went away (vLLM's serving code was cancelled) or stopped reading:
-                # cancelling the gRPC stream makes the backend abort the request in the engine.
-                responses.cancel()
+            # Unanswered: the HTTP client went away (vLLM's serving code was cancelled) or stopped
+            # reading; cancelling the gRPC stream makes the backend abort the request in the engine.
+            await end_stream(responses, answered)
 
     async def _request_error(self, message: str) -> Exception:
         """A request's error as vLLM's serving code answers it: a ValueError is a 400; the engine
