@@ -168,3 +168,18 @@ def test_client_examples_run_against_the_server(server, script: str, transport: 
     else:
         printed = completed.stdout.removesuffix("\n")
     assert printed == expected
+
+
+def test_the_tokenizer_stages_run_without_torch(server) -> None:
+    """A tokenizer stage's stub maps no libtorch, having answered (stub/tokenizer_stages.py
+    use_tokenizers_only; postprocessing replays vLLM's detokenizer from its source,
+    stub/detokenization.py vllm_detokenizer). Their memory is printed, a figure, not a bound."""
+    for style, ensemble in ENSEMBLES.items():
+        result = grpc_generate(server.grpc_url, ensemble, inputs=ensemble_inputs(PROMPTS[2], sampled(1), stream=True))
+        assert result.error is None and result.finals == 1 and result.text(), style
+    stages = [f"{stage}{suffix}" for stage in ("preprocessing", "postprocessing") for suffix in ("", "_spm")]
+    for stage in stages:
+        (stub,) = server.running_with(f"/{stage}/1/model.py")
+        maps = Path(f"/proc/{stub.pid}/maps").read_text()
+        assert "libtorch" not in maps, stage
+        print(f"{stage} stub: {stub.memory_info().rss / 2**20:.0f} MB resident")

@@ -83,3 +83,28 @@ def test_text_the_tokens_cannot_give_is_an_error_not_a_loop(tokenizer: Any) -> N
     ids = tokenizer.encode("hello world", add_special_tokens=False)
     with pytest.raises(ValueError, match="not what replaying"):
         detokenization.text_window(ids, 1, 1, "text that is not there", detokenization.window_decoder(tokenizer))
+
+
+def test_the_replay_runs_vllms_own_detokenizer_without_importing_vllm(tokenizer: Any) -> None:
+    """window_decoder runs the installed vLLM's detokenizer_utils.py, loaded without the `vllm` package
+    (a postprocessing stub would otherwise import torch and all of vLLM): the same file, the same
+    results token by token as vLLM's imported function."""
+    from vllm.transformers_utils import detokenizer_utils
+
+    standalone = detokenization.vllm_detokenizer()
+    assert standalone.__file__ == detokenizer_utils.__file__
+    assert standalone.detokenize_incrementally is not detokenize_incrementally
+    ids = tokenizer.encode(PROMPT + GENERATED)
+    results = []
+    for function in (detokenize_incrementally, standalone.detokenize_incrementally):
+        tokens: list[str] | None = None
+        prefix_offset = read_offset = 0
+        steps = []
+        for end in range(1, len(ids) + 1):
+            new_tokens, text, prefix_offset, read_offset = function(
+                tokenizer, ids[:end], tokens, prefix_offset, read_offset, skip_special_tokens=False
+            )
+            tokens = new_tokens if tokens is None else tokens + new_tokens
+            steps.append((tuple(new_tokens), text, prefix_offset, read_offset))
+        results.append(steps)
+    assert results[0] == results[1]

@@ -36,7 +36,7 @@ def bpe() -> Any:
 
 @pytest.fixture(scope="module")
 def preprocessing() -> Any:
-    model = tokenizer_stages.python_model(pb, tokenizer_stages.Preprocessor)()
+    model = tokenizer_stages.python_model(pb, tokenizer_stages.Preprocessor, tokenizers_only=False)()
     model.initialize(pb.initialize_args(pb.model_config(PRE_INPUTS)))  # no tokenizer_dir: the demo default
     return model
 
@@ -117,7 +117,7 @@ def test_a_bad_request_gets_its_own_error_and_the_batch_goes_on(
 
 
 def test_postprocessing_turns_a_window_into_the_exact_delta() -> None:
-    model = tokenizer_stages.python_model(pb, tokenizer_stages.Postprocessor)()
+    model = tokenizer_stages.python_model(pb, tokenizer_stages.Postprocessor, tokenizers_only=False)()
     config = pb.model_config(["window_ids", "window_offsets"], {"tokenizer_dir": "demo://tiny-llama-spm"})
     model.initialize(pb.initialize_args(config))
     spm = AutoTokenizer.from_pretrained(demo_models.build("tiny-llama-spm"))

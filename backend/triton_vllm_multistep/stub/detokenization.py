@@ -14,8 +14,12 @@ and the window lets a stateless model reproduce exactly that text.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # Tokens before the new ones that the window starts with; doubled until the delta is found
@@ -36,13 +40,38 @@ class TextWindow:
     end: int
 
 
+# vLLM's detokenizer module, run from its own source file (`vllm_detokenizer`): its one import, a
+# type alias for annotations only, is given to it instead.
+VLLM_DETOKENIZER_FILE = ("transformers_utils", "detokenizer_utils.py")
+VLLM_DETOKENIZER_IMPORT = "from .tokenizer import AnyTokenizer\n"
+
+
+@functools.cache
+def vllm_detokenizer() -> types.ModuleType:
+    """vLLM's `detokenizer_utils` module (the installed vLLM's file, unchanged but for its one import),
+    without importing the `vllm` package: that imports torch and all of vLLM, 5-17 s and ~1 GB in
+    a postprocessing stub that needs one pure-Python function (docs/architecture.md)."""
+    spec = importlib.util.find_spec("vllm")  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("vLLM is not installed: the detokenizer replays vLLM's own code")
+    path = Path(next(iter(spec.submodule_search_locations))).joinpath(*VLLM_DETOKENIZER_FILE)
+    source = path.read_text(encoding="utf-8")
+    if VLLM_DETOKENIZER_IMPORT not in source:
+        raise ImportError(f"{path} is not vLLM 0.8.5's detokenizer module (its import changed): cannot replay it")
+    module = types.ModuleType("triton_vllm_multistep.stub._vllm_detokenizer_utils")
+    module.__file__ = str(path)
+    code = compile(source.replace(VLLM_DETOKENIZER_IMPORT, "from typing import Any as AnyTokenizer\n"), path, "exec")
+    exec(code, module.__dict__)  # vLLM's own installed source
+    return module
+
+
 def window_decoder(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[Sequence[int], int], str]:
     """Replay of vLLM's own `detokenize_incrementally` over ids[context:], ids[:context] as prompt.
 
     Replaying the engine's algorithm (not decoding the window in one go) matters: incremental
     decoding of invalid byte sequences differs from a one-shot decode of the same tokens.
     """
-    from vllm.transformers_utils.detokenizer_utils import detokenize_incrementally
+    detokenize_incrementally = vllm_detokenizer().detokenize_incrementally
 
     def replay(ids: Sequence[int], context: int) -> str:
         ids = list(ids)
