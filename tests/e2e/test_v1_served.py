@@ -242,11 +242,19 @@ def test_async_scheduling_asked_in_model_json_is_kept_on_cpu_and_not_imposed(v1_
     assert re.search(rf"model {SMOLLM3} \(.*?\) ready: num_scheduler_steps=1, streaming", log)
 
 
-def test_a_field_v1_removed_fails_that_request_alone_naming_it(v1_server: ServerProcess) -> None:
+def test_a_field_v1_removed_or_refuses_fails_that_request_alone_in_v1s_words(v1_server: ServerProcess) -> None:
+    """Checked by the V1 engine process with V1's SamplingParams: its stub imports no vLLM (it maps no
+    libtorch), so no rule of vLLM 0.8.5's stands in for V1's."""
     refused = grpc_generate(v1_server.grpc_url, V1, input_ids=[1, 2, 3], sampling={**SEEDED, "best_of": 3})
     assert refused.error is not None and "vLLM's V1 engine removed best_of" in refused.error
+    out_of_range = grpc_generate(v1_server.grpc_url, V1, input_ids=[1, 2, 3], sampling={**SEEDED, "top_p": 1.5})
+    assert out_of_range.finals == 1 and out_of_range.error is not None
+    assert "top_p must be in (0, 1], got 1.5" in out_of_range.error, out_of_range.error
     after = grpc_generate(v1_server.grpc_url, V1, input_ids=[1, 2, 3], sampling=GREEDY, stream=True)
     assert after.error is None and len(after.token_ids()) == TOKENS
+    (stub,) = v1_server.running_with(f"/{V1}/1/model.py")
+    assert "libtorch" not in Path(f"/proc/{stub.pid}/maps").read_text()
+    print(f"{V1} stub: {stub.memory_info().rss / 2**20:.0f} MB resident")
 
 
 def test_num_scheduler_steps_on_a_v1_model_fails_its_load_naming_both(v1_server: ServerProcess) -> None:

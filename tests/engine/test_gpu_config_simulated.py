@@ -244,7 +244,11 @@ def test_engine_cpus_leaves_the_users_thread_count_alone_on_cuda_only() -> None:
     one_instance = {"instance_group": [{"kind": "KIND_MODEL", "count": 1}]}
     user_threads = {"OMP_NUM_THREADS": "64"}
     with simulated_cuda():
-        instance.place_engine(cpus, one_instance, user_threads, "llm")
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()  # what the stub passes for a multi-step model
+    assert on_cpu is False
+    instance.place_engine(cpus, one_instance, user_threads, "llm", engine_on_cpu=on_cpu)
     with pytest.raises(ConfigError, match="but OMP_NUM_THREADS=64"):
-        instance.place_engine(cpus, one_instance, user_threads, "llm")
+        instance.place_engine(cpus, one_instance, user_threads, "llm", engine_on_cpu=True)
     assert set(cpu_placement.thread_cpus(os.getpid()).values()) == {cpus}

@@ -599,3 +599,47 @@ def test_false_flags_and_a_priority_are_taken_with_an_embedding_request() -> Non
         embedding_request({"input": "x"}, stream=boolean(False), priority=np.array([-2], np.int32)), model=model
     )
     assert decoded.priority == -2 and codec.engine_request(decoded, "r").priority == -2
+
+
+V1_DECODE = """
+import json, sys
+import numpy as np
+from triton_vllm_multistep.stub import codec
+
+model = codec.ModelLimits(vocab_size=100, max_model_len=64, checks_with_vllm=False)
+def text(value):
+    return np.array([value.encode()], dtype=np.object_)
+fields = {"temperature": "0.5", "n": 2, "max_tokens": 7, "logit_bias": {"7": -1}}
+fields["guided_decoding"] = {"choice": ["a", "b"]}
+inputs = {"text_input": text("hello"), "sampling_parameters": text(json.dumps(fields)), "stream": np.array([True])}
+try:
+    codec.decode_request(inputs, None, model, None, None)
+except codec.RequestError as error:  # guided decoding with n=2: refused here, as on the multi-step engine
+    refused = str(error)
+fields.pop("guided_decoding")
+inputs["sampling_parameters"] = text(json.dumps(fields))
+generation = codec.decode_request(inputs, None, model, None, None)
+print(json.dumps({
+    "sampling": generation.sampling, "params": generation.sampling_params is None, "refused": refused,
+    "completions": codec.completions_asked(generation),
+    "vllm": sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")), "torch": "torch" in sys.modules,
+}))
+"""
+
+
+def test_a_v1_models_request_is_checked_without_vllm() -> None:
+    """A V1 model's stub checks a request's fields (names, types, ranges, the rules of its own) without
+    vLLM 0.8.5, whose SamplingParams rules are not V1's: its engine process checks them with V1's own
+    (that request alone refused in vLLM's words). In a fresh interpreter: no vLLM module is imported."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", V1_DECODE], capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen["vllm"] == [] and not seen["torch"]
+    assert seen["params"] and seen["completions"] == 2
+    assert seen["sampling"] == {
+        "temperature": 0.5, "n": 2, "max_tokens": 7, "logit_bias": {"7": -1}, "output_kind": "DELTA"
+    }  # fmt: skip
+    assert "supports one sequence per request" in seen["refused"]

@@ -117,7 +117,7 @@ stop.set()
 def test_one_placement_for_several_instances_is_a_load_error_naming_both(monkeypatch) -> None:
     model_config = {"instance_group": [{"kind": "KIND_CPU", "count": 2}]}
     with pytest.raises(ConfigError, match="engine_cpus places one engine, but instance_group runs 2"):
-        instance.place_engine((0,), model_config, {}, "llm")
+        instance.place_engine((0,), model_config, {}, "llm", engine_on_cpu=True)
 
 
 def test_the_placement_checks_reach_the_load_error(monkeypatch) -> None:
@@ -126,7 +126,7 @@ def test_the_placement_checks_reach_the_load_error(monkeypatch) -> None:
     beyond = 4095  # no CPU this host has
     message = f"model llm: engine_cpus {beyond} names CPUs this server may not run on .*{allowed}"
     with pytest.raises(ConfigError, match=message):
-        instance.place_engine((beyond,), model_config, {}, "llm")
+        instance.place_engine((beyond,), model_config, {}, "llm", engine_on_cpu=True)
 
 
 def test_engine_cpus_holding_every_cpu_of_the_stub_leave_its_threads_where_they_are(caplog, monkeypatch) -> None:
@@ -134,7 +134,7 @@ def test_engine_cpus_holding_every_cpu_of_the_stub_leave_its_threads_where_they_
     model_config = {"instance_group": [{"kind": "KIND_CPU", "count": 1}]}
     assert set(cpu_placement.thread_cpus(os.getpid()).values()) == {CPUS}
     with caplog.at_level(logging.WARNING, logger="triton_vllm_multistep"):
-        instance.place_engine(CPUS, model_config, {}, "llm")
+        instance.place_engine(CPUS, model_config, {}, "llm", engine_on_cpu=True)
     assert set(cpu_placement.thread_cpus(os.getpid()).values()) == {CPUS}  # nothing moved
     assert f"engine_cpus {CPU_LIST} hold every CPU the stub runs on: its threads share them" in caplog.text
 

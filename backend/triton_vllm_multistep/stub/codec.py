@@ -205,7 +205,8 @@ class GenerationRequest:
     """A validated request, ready for the engine (`engine_request` makes what the engine gets)."""
 
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams  # checked here; the engine builds its own from `sampling`
+    # Checked here (None for a V1 model: ModelLimits.checks_with_vllm); the engine builds its own from `sampling`.
+    sampling_params: SamplingParams | None
     stream: bool
     prompt_text: str | None = None
     prepend_prompt: bool = False
@@ -245,6 +246,10 @@ class ModelLimits:
     scheduling_policy: str = "fcfs"  # the engine's (model.json scheduling_policy): "priority" takes priorities
     tasks: tuple[str, ...] = (GENERATE_TASK,)  # what the model serves (EngineFacts.tasks)
     served_name: str = "this model"  # the Triton model's name, as Triton's vLLM backend names it in errors
+    # Sampling fields checked here with vLLM 0.8.5's SamplingParams, the multi-step engine's own rules;
+    # False for a V1 model: its engine process checks them with V1's, refusing that request alone,
+    # and its stub imports no vLLM at all.
+    checks_with_vllm: bool = True
 
 
 @dataclass
@@ -395,20 +400,20 @@ def import_sampling_checks() -> None:
     destructors then run at the stub's exit, after Triton has released the stub's shared memory: the
     stub aborts (`boost::interprocess::lock_exception`) or never exits, and Triton waits for it
     forever (the unload never completes; the server's stop runs into its exit timeout). Measured on a
-    V1 model, whose stub imports vLLM for nothing else (docs/lifecycle.md)."""
+    V1 model's stub, which imported vLLM for nothing else (it now imports none: ModelLimits.checks_with_vllm;
+    docs/lifecycle.md)."""
     import vllm.sampling_params  # noqa: F401
 
 
 def sampling_params(
     fields: Mapping[str, Any], stream: bool, limits: ModelLimits, source: str = SAMPLING_TENSOR
-) -> tuple[SamplingParams, dict[str, Any]]:
+) -> tuple[SamplingParams | None, dict[str, Any]]:
     """Convert and check sampling fields; every error names the field as `<source>.<field>`.
 
-    Returns vLLM's SamplingParams (built to check the fields as vLLM does) and the same fields as
-    plain values, what the engine builds its own from (EngineRequest.sampling).
+    Returns vLLM's SamplingParams (built to check the fields as vLLM 0.8.5 does; None when the
+    model's engine checks them: `limits.checks_with_vllm`) and the same fields as plain values,
+    what the engine builds its own from (EngineRequest.sampling).
     """
-    from vllm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
-
     kwargs: dict[str, Any] = {}
     guided: dict[str, Any] | None = None
     given = [name for name in STRUCTURED_OUTPUT_FIELDS if fields.get(name) is not None]
@@ -418,7 +423,6 @@ def sampling_params(
         if name in STRUCTURED_OUTPUT_FIELDS:
             if value is not None:
                 guided = structured_output(f"{source}.{name}", value)
-                kwargs["guided_decoding"] = GuidedDecodingParams(**guided)
             continue
         if name in REFUSED_FIELDS:
             raise RequestError(f"{source}.{name} is not accepted: {REFUSED_FIELDS[name]}")
@@ -428,20 +432,31 @@ def sampling_params(
         if value is not None:
             kwargs[name] = converter(f"{source}.{name}", value)
     _check_ranges(kwargs, limits, source)
-    if "guided_decoding" in kwargs and max(kwargs.get("n", 1), kwargs.get("best_of") or 1) > 1:
+    if guided is not None and sequences(kwargs) > 1:
         # One constraint per sequence is what is built and checked exact here.
         raise RequestError(f"{source}.{given[0]} supports one sequence per request (n=1, no best_of)")
-    kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-    try:
-        params = SamplingParams(**kwargs)
-    except (ValueError, TypeError) as error:
-        raise RequestError(f"{source}: {error}") from None
-    plain = {**kwargs, "output_kind": kwargs["output_kind"].name}
+    plain = {**kwargs, "output_kind": "DELTA" if stream else "FINAL_ONLY"}
     if guided is not None:
         plain["guided_decoding"] = guided
     if "logit_bias" in plain:
         plain["logit_bias"] = {str(token): bias for token, bias in plain["logit_bias"].items()}  # JSON keys
-    return params, plain
+    if not limits.checks_with_vllm:
+        return None, plain
+    from vllm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
+
+    checked = {**kwargs, "output_kind": RequestOutputKind[plain["output_kind"]]}
+    if guided is not None:
+        checked["guided_decoding"] = GuidedDecodingParams(**guided)
+    try:
+        return SamplingParams(**checked), plain
+    except (ValueError, TypeError) as error:
+        raise RequestError(f"{source}: {error}") from None
+
+
+def sequences(fields: Mapping[str, Any]) -> int:
+    """The sequences a request's engine runs for it: `n`, or `best_of` when larger (vLLM's
+    SamplingParams then runs best_of and returns the best n)."""
+    return max(fields.get("n") or 1, fields.get("best_of") or 1)
 
 
 def check_max_tokens(max_tokens: int, where: str) -> None:
@@ -592,7 +607,7 @@ def decode_request(
             )
         prompt_text = decode(prompt_ids)
     returns = ReturnFlags(**{name.removeprefix("return_"): bool(flags[name]) for name in RETURN_FLAGS})
-    if returns.detokenization_window and params.n > 1:
+    if returns.detokenization_window and sequences(plain_sampling) > 1:
         raise RequestError("return_detokenization_window supports one completion per request (n=1)")
     if returns.detokenization_window and decode is None:
         raise RequestError(
@@ -728,7 +743,7 @@ def completions_asked(request: GenerationRequest | EmbeddingRequest) -> int:
     SamplingParams keeps the client's n in _real_n); an embedding request's one vector counts as one."""
     if isinstance(request, EmbeddingRequest):
         return 1
-    return request.sampling_params._real_n or request.sampling_params.n
+    return request.sampling.get("n") or 1
 
 
 def engine_request(request: GenerationRequest | EmbeddingRequest, request_id: str) -> EngineRequest:

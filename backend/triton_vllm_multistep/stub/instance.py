@@ -115,21 +115,24 @@ def start_engine_runner(
 
 
 def place_engine(
-    cpus: tuple[int, ...], model_config: dict[str, Any], user_threads: dict[str, str | None], model_name: str
+    cpus: tuple[int, ...],
+    model_config: dict[str, Any],
+    user_threads: dict[str, str | None],
+    model_name: str,
+    engine_on_cpu: bool,
 ) -> None:
     """config.pbtxt `engine_cpus`: check it against the host and the user's thread settings (a load
     error naming both when they disagree), then move the stub's threads off the engine's CPUs (the
-    engine process has moved onto them itself)."""
+    engine process has moved onto them itself). `engine_on_cpu`: the engine runs on vLLM's CPU
+    platform, whose worker binds its torch threads to those CPUs."""
     instances = instance_count(model_config, gpu_count())
     if instances > 1:
         raise ConfigError(
             f"model {model_name}: engine_cpus places one engine, but instance_group runs {instances} instances "
             "of this model (each would put its engine on the same CPUs): use one instance, or leave engine_cpus out"
         )
-    from vllm.platforms import current_platform
-
     try:
-        cpu_placement.check_engine_cpus(cpus, user_threads, threads_bound=current_platform.is_cpu())
+        cpu_placement.check_engine_cpus(cpus, user_threads, threads_bound=engine_on_cpu)
     except cpu_placement.CpuListError as error:
         raise ConfigError(f"model {model_name}: {error}") from None
     others = tuple(cpu for cpu in cpu_placement.allowed_cpus() if cpu not in cpus)
@@ -205,7 +208,15 @@ class ModelServer:
             built_args = to_engine_args(values)
             user_threads = thread_choice_of_user()  # before the build: vLLM sets OMP_NUM_THREADS during it
             if settings.engine_cpus:
-                place_engine(settings.engine_cpus, dict(model.model_config), user_threads, self.model_name)
+                from vllm.platforms import current_platform
+
+                place_engine(
+                    settings.engine_cpus,
+                    dict(model.model_config),
+                    user_threads,
+                    self.model_name,
+                    engine_on_cpu=current_platform.is_cpu(),
+                )
             try:
                 self.loop: EngineRunner = start_engine_runner(
                     settings, values, built_args, user_threads, engine_process, self.adapters or ()
@@ -227,7 +238,10 @@ class ModelServer:
         it); the engine process tokenizes text prompts and detokenizes each step."""
         model, settings = self.model_settings, self.settings
         if settings.engine_cpus:
-            place_engine(settings.engine_cpus, dict(model.model_config), {}, self.model_name)
+            # vLLM 0.32 is not importable here: a host without GPUs is its CPU platform (stub/device.py).
+            place_engine(
+                settings.engine_cpus, dict(model.model_config), {}, self.model_name, engine_on_cpu=gpu_count() == 0
+            )
         engine_process.spec = EngineSpec(
             dict(model.engine_args),
             "step",
@@ -264,7 +278,9 @@ class ModelServer:
         """execute()'s tokenizer (none for a V1 model: `engine_args` None; its engine process reports
         the vocabulary of model and tokenizer both) and the model's request limits."""
         facts = self.loop.facts
-        codec.import_sampling_checks()  # here, not first in execute(): see there
+        checks_with_vllm = engine_args is not None  # a V1 model's engine process checks its requests
+        if checks_with_vllm:
+            codec.import_sampling_checks()  # here, not first in execute(): see there
         self._tokenizer = None if engine_args is None else self._load_tokenizer(engine_args)
         vocab_size = facts.vocab_size if self._tokenizer is None else token_ids_of(self._tokenizer, facts.vocab_size)
         self.limits = codec.ModelLimits(
@@ -277,6 +293,7 @@ class ModelServer:
             scheduling_policy=facts.scheduling_policy,
             tasks=facts.tasks,
             served_name=self.model_name,
+            checks_with_vllm=checks_with_vllm,
         )
 
     def _start_observers(self, args: dict[str, str]) -> None:
