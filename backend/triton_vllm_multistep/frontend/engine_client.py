@@ -42,10 +42,13 @@ async def end_stream(responses: Any, answered: bool, timeout: float = STREAM_END
     2.51's gRPC frontend can lose the state of a stream cancelled while it finishes it, and that state
     keeps its model from ever unloading (docs/lifecycle.md, "A stream cancelled as it ends")."""
     if answered:
+
+        async def read_to_end() -> None:
+            async for _ in responses:
+                pass  # nothing comes after a FINAL
+
         try:
-            async with asyncio.timeout(timeout):
-                async for _ in responses:
-                    pass  # nothing comes after a FINAL
+            await asyncio.wait_for(read_to_end(), timeout)
             return
         except Exception as error:  # TimeoutError, or the stream failed: nothing more to read from it
             logger.debug("a gRPC stream did not end cleanly after its FINAL (%s): cancelling it", error)
