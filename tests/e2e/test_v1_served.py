@@ -188,7 +188,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) 
             for i, ids in enumerate(PROMPTS):
                 whole_ids, whole_text, _ = server.completion(ids, sampling, stream=False)
                 streamed_ids, streamed_text, chunks = server.completion(ids, sampling, stream=True)
-                assert (streamed_ids, streamed_text) == (whole_ids, whole_text) and chunks == TOKENS
+                # vLLM's AsyncLLM hands out one delta per token while its consumer keeps up and merges
+                # them, still exact, when it falls behind (seen once on a loaded host: 23 chunks for
+                # 24 tokens): the reference's chunks are not this backend's contract, its tokens are.
+                assert (streamed_ids, streamed_text) == (whole_ids, whole_text) and 1 < chunks <= TOKENS
                 answers[f"{kind}-{i}"] = (whole_ids, whole_text)
         for kind, (constraint, _) in STRUCTURED.items():
             structured = {**STRUCTURED_SAMPLING, "structured_outputs": constraint}
