@@ -41,7 +41,9 @@ __all__ = [
     "readme_repository",
     "ready_lines",
     "scrape",
+    "stub_of",
     "stub_processes",
+    "stub_without_torch",
     "wait_for",
     "watch_as_a_router",
 ]
@@ -88,6 +90,20 @@ def loaded_into(server: ServerProcess, models: Iterable[str]) -> Iterator[Server
                 return not any(server.running_with(f"/{name}/1/model.py") for name in names)
 
             assert wait_for(stubs_gone, 120), names
+
+
+def stub_of(server: ServerProcess, model: str) -> psutil.Process:
+    """`model`'s one Python-backend stub (its command line names the model's model.py)."""
+    (stub,) = server.running_with(f"/{model}/1/model.py")
+    return stub
+
+
+def stub_without_torch(server: ServerProcess, model: str) -> float:
+    """Assert `model`'s stub maps no libtorch (it imported neither torch nor vLLM); its resident memory
+    in MB, a figure to print, not a bound."""
+    stub = stub_of(server, model)
+    assert "libtorch" not in Path(f"/proc/{stub.pid}/maps").read_text(), model
+    return stub.memory_info().rss / 2**20
 
 
 def ready_lines(server: ServerProcess, model: str) -> list[str]:

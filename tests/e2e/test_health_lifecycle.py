@@ -29,6 +29,7 @@ from private_servers import (
     metric,
     model_ready,
     scrape,
+    stub_of,
     stub_processes,
     wait_for,
 )
@@ -145,11 +146,6 @@ def guard_of(server: ServerProcess, stub_pid: int) -> psutil.Process:
     assert wait_for(lambda: len(guards()) == 1, 15), (stub_pid, server.process_groups()["guard"])
     (guard,) = guards()
     return guard
-
-
-def stub_of(server: ServerProcess, model: str) -> psutil.Process:
-    (stub,) = server.running_with(f"/{model}/1/model.py")
-    return stub
 
 
 @contextlib.contextmanager

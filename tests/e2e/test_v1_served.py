@@ -42,6 +42,7 @@ from private_servers import (
     readme_repository,
     scrape,
     serving,
+    stub_without_torch,
     wait_for,
     watch_as_a_router,
 )
@@ -255,9 +256,7 @@ def test_a_field_v1_removed_or_refuses_fails_that_request_alone_in_v1s_words(v1_
     assert "top_p must be in (0, 1], got 1.5" in out_of_range.error, out_of_range.error
     after = grpc_generate(v1_server.grpc_url, V1, input_ids=[1, 2, 3], sampling=GREEDY, stream=True)
     assert after.error is None and len(after.token_ids()) == TOKENS
-    (stub,) = v1_server.running_with(f"/{V1}/1/model.py")
-    assert "libtorch" not in Path(f"/proc/{stub.pid}/maps").read_text()
-    print(f"{V1} stub: {stub.memory_info().rss / 2**20:.0f} MB resident")
+    print(f"{V1} stub: {stub_without_torch(v1_server, V1):.0f} MB resident")
 
 
 def test_num_scheduler_steps_on_a_v1_model_fails_its_load_naming_both(v1_server: ServerProcess) -> None:
