@@ -153,9 +153,9 @@ def openai_checks(served: dict[str, dict[int, dict[str, Any]]], check: Any) -> N
             check(label, value, TARGETS[target], True)
 
 
-# Our V1 models (vllm_engine v1) over `vllm serve` of the same V1 engine (KServe gRPC; the OpenAI API
-# does not serve V1 models yet).
-V1_OVER_VLLM_SERVE_V1 = ("v1_step_process",)
+# Our V1 models (vllm_engine v1) over `vllm serve` of the same V1 engine: through KServe gRPC and
+# through the project's OpenAI API.
+V1_OVER_VLLM_SERVE_V1 = ("v1_step_process", "v1_step_openai")
 
 
 def v1_checks(served: dict[str, dict[int, dict[str, Any]]], check: Any) -> None:
@@ -163,7 +163,8 @@ def v1_checks(served: dict[str, dict[int, dict[str, Any]]], check: Any) -> None:
     at every level measured in the same run (issue #32: at least 1.0x); the multi-step per-step
     configurations over it as information."""
     theirs = served.get("vllm_serve_v1", {})
-    for name in [*V1_OVER_VLLM_SERVE_V1, "v1_step_process_async", "v1_step_process_inproc", *PER_STEP, "steps1"]:
+    extra = ["v1_step_process_async", "v1_step_process_asyncllm", "v1_step_process_inproc"]
+    for name in [*V1_OVER_VLLM_SERVE_V1, *extra, *PER_STEP, "steps1"]:
         for level in sorted(set(served.get(name, {})) & set(theirs)):
             value = served[name][level]["tokens_per_s"] / theirs[level]["tokens_per_s"]
             label = f"c={level}: {CONFIGS[name].label} / {CONFIGS['vllm_serve_v1'].label}"

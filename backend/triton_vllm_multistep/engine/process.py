@@ -31,7 +31,6 @@ import sys
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 from triton_vllm_multistep.engine import cpu_placement
@@ -59,18 +58,20 @@ from triton_vllm_multistep.engine.messages import (  # the process's messages, r
     build_failure,
     sender,
 )
+from triton_vllm_multistep.settings.v1_environment import (  # noqa: F401 (reachable from here too)
+    PACKAGE_PARENT,
+    V1_PYTHON_ENV,
+    v1_environment,
+    v1_environment_python,
+    v1_import_path,
+)
 
 logger = logging.getLogger(__name__)
 
 # How long stop() waits for the engine process to shut its engine down before terminating it.
 STOP_SECONDS = 20.0
 PYTHON_ENV = "TRITON_VLLM_MULTISTEP_PYTHON"
-# The V1 environment's interpreter (config.pbtxt `vllm_engine: v1`); the launcher sets it to
-# .venv-v1's when that is beside its own environment.
-V1_PYTHON_ENV = "TRITON_VLLM_MULTISTEP_V1_PYTHON"
 V1_ENTRY_MODULE = "triton_vllm_multistep.engine_v1.process"
-# The folder holding this package: all a V1 engine process is given of the stub's import paths.
-PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # `python -m ENTRY_MODULE FD` runs an engine process (tools find engine processes by it too).
 ENTRY_MODULE = "triton_vllm_multistep.engine.process"
 # Its second argument: whether IPEX may load in it (use_ipex), known before the spec is; its third:
@@ -93,22 +94,6 @@ def python_for_children() -> str | None:
     if sys.executable and os.path.basename(sys.executable).startswith("python"):
         return sys.executable
     return shutil.which(f"python{sys.version_info.major}.{sys.version_info.minor}")
-
-
-def v1_environment_python() -> Path | None:
-    """The Python of the V1 environment scripts/setup.sh builds beside this one (.venv-v1), if there is one."""
-    candidate = Path(sys.prefix).parent / ".venv-v1" / "bin" / "python"
-    return candidate if candidate.exists() else None
-
-
-def v1_import_path(package_parent: str) -> dict[str, str]:
-    """The V1 engine process's PYTHONPATH: the package's folder when it is a source checkout (scripts/
-    setup.sh's .venv-v1 has no copy), nothing when it is installed (a site-packages folder would
-    bring this environment's vLLM, torch and numpy ahead of the V1 environment's: the image installs
-    the package into its V1 environment too, docker/Dockerfile)."""
-    if os.path.basename(package_parent) in ("site-packages", "dist-packages"):
-        return {}
-    return {"PYTHONPATH": package_parent}
 
 
 def _no_python_message(detail: str) -> str:
@@ -172,12 +157,10 @@ class EngineProcess:
             version = f"python{sys.version_info.major}.{sys.version_info.minor}"
             raise NoPythonForEngineProcess(_no_python_message(f"no {version} on PATH and {PYTHON_ENV} is not set"))
         ours, theirs = socket.socketpair()
-        environment = dict(os.environ)
         if self._v1:
-            environment.pop("PYTHONPATH", None)
-            environment.update(v1_import_path(PACKAGE_PARENT))
-            environment.pop("VLLM_USE_V1", None)  # the stub's environment pins V0 for its own vLLM
+            environment = v1_environment(os.environ)
         else:
+            environment = dict(os.environ)
             # This interpreter's import paths (the stub's: the package and its environment's packages).
             environment["PYTHONPATH"] = os.pathsep.join(entry for entry in sys.path if entry)
         if cpus:

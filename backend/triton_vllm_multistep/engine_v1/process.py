@@ -37,7 +37,7 @@ from triton_vllm_multistep.engine.events import (
 )
 from triton_vllm_multistep.engine.messages import Abort, Built, EngineSpec, Serve, Stop, Stopped, build_failure, sender
 from triton_vllm_multistep.engine.outputs import plain_outputs
-from triton_vllm_multistep.engine_v1 import cpu_async, cpu_compile_cache, cpu_lora, stats
+from triton_vllm_multistep.engine_v1 import async_driver, cpu_async, cpu_compile_cache, cpu_lora, stats
 from triton_vllm_multistep.engine_v1.sampling import UnsupportedOnV1, pooling_params, sampling_params
 from triton_vllm_multistep.interface import SERVED_TASKS
 
@@ -56,17 +56,17 @@ class _CoreDied:
     """The core watcher's command: the engine core is gone (the engine thread raises vLLM's error)."""
 
 
-def build_engine(spec: EngineSpec) -> tuple[Any, stats.SchedulerStatsLogger]:
-    """V1's LLMEngine for the spec's engine arguments, its scheduler stats captured."""
+def engine_arguments(spec: EngineSpec, asynchronous: bool = False) -> Any:
+    """V1's EngineArgs (AsyncEngineArgs for the asynchronous client) for the spec's engine arguments,
+    the CPU platform's fixes set before the engine core starts (it inherits the environment)."""
     import vllm
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 
     # Stats on whatever model.json says: the scheduler's stats are the metrics' KV-cache figures
     # (KvCacheStats); config.pbtxt / model.json decide whether the stub publishes them.
     arguments = {**spec.engine_args, "disable_log_stats": False}
     try:
-        engine_args = EngineArgs(**arguments)
+        engine_args = (AsyncEngineArgs if asynchronous else EngineArgs)(**arguments)
     except (TypeError, ValueError) as error:  # model.json's fields, in vLLM's words
         raise EngineBuildError(f"vLLM {vllm.__version__} (V1) refuses model.json's engine arguments: {error}") from None
     from vllm.platforms import current_platform
@@ -80,10 +80,29 @@ def build_engine(spec: EngineSpec) -> tuple[Any, stats.SchedulerStatsLogger]:
     if engine_args.enable_lora and current_platform.is_cpu():
         os.environ[cpu_lora.FIX_ENV] = "1"  # before the engine core starts: it inherits the environment
         cpu_lora.exact_base_rows_in_mixed_batches()
+    return engine_args
+
+
+def build_engine(spec: EngineSpec) -> tuple[Any, stats.SchedulerStatsLogger]:
+    """V1's LLMEngine for the spec's engine arguments, its scheduler stats captured."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    engine_args = engine_arguments(spec)
     recorder = stats.SchedulerStatsLogger.factory()
     engine = LLMEngine.from_engine_args(engine_args, stat_loggers=[recorder])
     preload_adapters(engine, spec.lora_adapters)
     return engine, recorder.latest
+
+
+async def build_async_engine(spec: EngineSpec) -> tuple[Any, stats.SchedulerStatsLogger, tuple[str, ...]]:
+    """V1's AsyncLLM for the spec, built on the loop that will drive it, its scheduler stats captured;
+    and the tasks it serves."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine_args = engine_arguments(spec, asynchronous=True)
+    recorder = stats.SchedulerStatsLogger.factory()
+    engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[recorder])
+    return engine, recorder.latest, tuple(await engine.get_supported_tasks())
 
 
 def refuse_image_models_on_cpu(engine_args: Any) -> None:
@@ -116,7 +135,7 @@ def preload_adapters(engine: Any, adapters: tuple[tuple[str, int, str], ...]) ->
     )
 
 
-def engine_facts(engine: Any) -> EngineFacts:
+def engine_facts(engine: Any, tasks: tuple[str, ...] | None = None) -> EngineFacts:
     model_config = engine.vllm_config.model_config
     lora_config = engine.vllm_config.lora_config
     return EngineFacts(
@@ -132,8 +151,42 @@ def engine_facts(engine: Any) -> EngineFacts:
         async_scheduling=bool(engine.vllm_config.scheduler_config.async_scheduling),
         scheduling_policy=str(engine.vllm_config.scheduler_config.policy),
         cache_config=tuple(engine.vllm_config.cache_config.metrics_info().items()),
-        tasks=tuple(task for task in SERVED_TASKS if task in engine.get_supported_tasks()),
+        tasks=tuple(task for task in SERVED_TASKS if task in (tasks or engine.get_supported_tasks())),
     )
+
+
+class RequestPreparation:
+    """A request's prompt, V1 parameters and adapter as V1's add_request takes them (either driver)."""
+
+    def __init__(self, tokenizer: Any, vllm_config: Any, max_prompt_tokens: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.prompt_limit = prompt_limit(vllm_config.model_config.max_model_len, max_prompt_tokens)
+
+    def __call__(self, request: EngineRequest) -> tuple[dict[str, Any], Any, Any]:
+        """(prompt, SamplingParams or PoolingParams, LoRARequest or None); raises for a refused request."""
+        params = sampling_params(request.sampling) if request.pooling is None else pooling_params(request.pooling)
+        lora = None
+        if request.adapter is not None:
+            from vllm.lora.request import LoRARequest
+
+            lora = LoRARequest(*request.adapter)
+        if request.images:
+            raise UnsupportedOnV1(
+                "images: not served on vllm_engine 'v1' by this backend yet; vllm_engine 'multistep' serves them"
+            )
+        return self.prompt(request), params, lora
+
+    def prompt(self, request: EngineRequest) -> dict[str, Any]:
+        """The prompt as V1 takes it: a text prompt tokenized here, as V1's own input processing does
+        (the tokenizer's `encode`, special tokens added), and checked as the stub checks token ids."""
+        if request.prompt_text is None:
+            return {"prompt_token_ids": list(request.prompt_token_ids)}
+        ids = self.tokenizer.encode(request.prompt_text)
+        if not ids:
+            raise ValueError(EMPTY_PROMPT_MESSAGE)
+        if len(ids) > self.prompt_limit:
+            raise ValueError(prompt_too_long_message(len(ids), self.prompt_limit))
+        return {"prompt_token_ids": ids, "prompt": request.prompt_text}
 
 
 class EngineThread:
@@ -145,8 +198,7 @@ class EngineThread:
         self.engine = engine
         self.send = send
         self.recorder = recorder
-        self.tokenizer = engine.get_tokenizer()
-        self.prompt_limit = prompt_limit(engine.vllm_config.model_config.max_model_len, max_prompt_tokens)
+        self.prepare = RequestPreparation(engine.get_tokenizer(), engine.vllm_config, max_prompt_tokens)
         self.commands: queue.Queue[Any] = queue.Queue()
         self.serve: Serve | None = None
         self.in_flight: set[str] = set()
@@ -219,34 +271,12 @@ class EngineThread:
 
     def _admit(self, request: EngineRequest) -> None:
         try:
-            params = sampling_params(request.sampling) if request.pooling is None else pooling_params(request.pooling)
-            lora = None
-            if request.adapter is not None:
-                from vllm.lora.request import LoRARequest
-
-                lora = LoRARequest(*request.adapter)
-            if request.images:
-                raise UnsupportedOnV1(
-                    "images: not served on vllm_engine 'v1' by this backend yet; vllm_engine 'multistep' serves them"
-                )
-            prompt = self._prompt(request)
+            prompt, params, lora = self.prepare(request)
             self.engine.add_request(request.request_id, prompt, params, lora_request=lora, priority=request.priority)
         except Exception as error:  # this request alone: refused in vLLM's words (or the stub's)
             self.send(RequestFailed(request.request_id, str(error)))
             return
         self.in_flight.add(request.request_id)
-
-    def _prompt(self, request: EngineRequest) -> dict[str, Any]:
-        """The prompt as V1 takes it: a text prompt tokenized here, as V1's own input processing does
-        (the tokenizer's `encode`, special tokens added), and checked as the stub checks token ids."""
-        if request.prompt_text is None:
-            return {"prompt_token_ids": list(request.prompt_token_ids)}
-        ids = self.tokenizer.encode(request.prompt_text)
-        if not ids:
-            raise ValueError(EMPTY_PROMPT_MESSAGE)
-        if len(ids) > self.prompt_limit:
-            raise ValueError(prompt_too_long_message(len(ids), self.prompt_limit))
-        return {"prompt_token_ids": ids, "prompt": request.prompt_text}
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -285,6 +315,9 @@ def serve_engine(connection: Connection) -> None:
     except (EOFError, OSError):
         return
     if not isinstance(spec, EngineSpec):
+        return
+    if os.environ.get(async_driver.DRIVER_ENV) == async_driver.ASYNC_DRIVER:
+        serve_engine_async(connection, send, spec)
         return
     try:
         engine, recorder = build_engine(spec)
@@ -329,3 +362,37 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def serve_engine_async(connection: Connection, send: Any, spec: EngineSpec) -> None:
+    """serve_engine with vLLM's asynchronous client (async_driver.py)."""
+    driver = async_driver.AsyncEngineDriver(send)
+    try:
+        engine, recorder, tasks = driver.call(build_async_engine(spec))
+        from vllm.lora.request import LoRARequest
+
+        load_adapters_once(
+            spec.lora_adapters, lambda *adapter: driver.call(engine.add_lora(LoRARequest(*adapter))), engine.shutdown
+        )
+        facts = engine_facts(engine, tasks)
+    except BaseException as error:
+        connection.send(build_failure(error))
+        driver.stop()
+        return
+    import torch
+
+    driver.attach(
+        engine, recorder, RequestPreparation(engine.get_tokenizer(), engine.vllm_config, spec.max_prompt_tokens)
+    )
+    send(Built(facts, torch.get_num_threads()))
+    try:
+        while not driver.stopped.is_set():
+            try:
+                message = connection.recv()
+            except (EOFError, OSError):
+                break
+            driver.put(message)
+            if isinstance(message, Stop):
+                break
+    finally:
+        driver.stop(Stopped())

@@ -10,14 +10,11 @@ the engine). Tokenizer and ModelConfig are the model's own, read from its model.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncGenerator, Mapping
 from contextlib import aclosing
 from typing import Any
 
-from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.grpc import aio as grpcclient
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 from vllm.config import DecodingConfig, ModelConfig
 from vllm.engine.protocol import EngineClient
 from vllm.lora.request import LoRARequest
@@ -26,33 +23,8 @@ from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 from triton_vllm_multistep.frontend import triton_requests
-from triton_vllm_multistep.frontend.errors import EngineUnavailable, is_unavailable
+from triton_vllm_multistep.frontend.triton_stream import ModelStreams, TritonModelState, TritonRequest
 from triton_vllm_multistep.interface import NUM_OUTPUT_TOKENS, TEXT_OUTPUT, encode_image
-
-logger = logging.getLogger("triton_vllm_multistep.frontend")
-
-
-# How long a stream whose FINAL came may take to be ended by the server (it ends it at once).
-STREAM_END_SECONDS = 5.0
-
-
-async def end_stream(responses: Any, answered: bool, timeout: float = STREAM_END_SECONDS) -> None:
-    """End one gRPC stream of `stream_infer`: cancelled when its request is unanswered; otherwise read
-    to its end, which the server makes right after the FINAL. Never cancelled once answered: Triton
-    2.51's gRPC frontend can lose the state of a stream cancelled while it finishes it, and that state
-    keeps its model from ever unloading (docs/lifecycle.md, "A stream cancelled as it ends")."""
-    if answered:
-
-        async def read_to_end() -> None:
-            async for _ in responses:
-                pass  # nothing comes after a FINAL
-
-        try:
-            await asyncio.wait_for(read_to_end(), timeout)
-            return
-        except Exception as error:  # TimeoutError, or the stream failed: nothing more to read from it
-            logger.debug("a gRPC stream did not end cleanly after its FINAL (%s): cancelling it", error)
-    responses.cancel()
 
 
 class ModelConfigOnly:
@@ -62,7 +34,7 @@ class ModelConfigOnly:
         self.model_config = model_config
 
 
-class TritonEngineClient(EngineClient):
+class TritonEngineClient(TritonModelState, EngineClient):
     """vLLM's EngineClient over one Triton model; `adapters` maps the names its LoRA adapters are
     served under (model names to OpenAI clients) to their names in its multi_lora.json."""
 
@@ -74,28 +46,11 @@ class TritonEngineClient(EngineClient):
         tokenizer: Any,
         adapters: Mapping[str, str] | None = None,
     ) -> None:
-        self._client = client
+        self._streams = ModelStreams(client, model_name)
         self.model_name = model_name
         self._model_config = model_config
         self._tokenizer = tokenizer
         self._adapters = dict(adapters or {})
-
-    # State: the engine lives in Triton; its health is the model's readiness (check_health).
-    @property
-    def is_running(self) -> bool:
-        return True
-
-    @property
-    def is_stopped(self) -> bool:
-        return False
-
-    @property
-    def errored(self) -> bool:
-        return False
-
-    @property
-    def dead_error(self) -> BaseException:
-        return EngineUnavailable(f"model {self.model_name} is not available")
 
     def generate(
         self,
@@ -140,7 +95,7 @@ class TritonEngineClient(EngineClient):
         # whole answers take the request's own); the prompt reaches this client as token ids only.
         first = params.output_kind == RequestOutputKind.DELTA
         # Closed with this generator (vLLM's code closing it cancels the gRPC stream at once).
-        async with aclosing(self._responses(request_id, request)) as responses:
+        async with aclosing(self._streams.responses(request_id, request)) as responses:
             async for values in responses:
                 if NUM_OUTPUT_TOKENS in values:  # a data response (the empty FINAL has none)
                     output = triton_requests.request_output(request_id, prompt_ids, values, completions)
@@ -149,63 +104,8 @@ class TritonEngineClient(EngineClient):
                         first = False
                     yield output
 
-    async def _responses(
-        self, request_id: str, request: triton_requests.TritonRequest
-    ) -> AsyncGenerator[dict[str, list[Any]], None]:
-        """One gRPC stream to the model: each response's output values, until its FINAL."""
-        inputs = []
-        for name, array in request.inputs.items():
-            tensor = InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-            tensor.set_data_from_numpy(array)
-            inputs.append(tensor)
-        outputs = [InferRequestedOutput(name) for name in request.outputs]
-
-        async def one_request():
-            yield {
-                "model_name": self.model_name,
-                "inputs": inputs,
-                "outputs": outputs,
-                "request_id": request_id,
-                "parameters": request.parameters,
-            }
-
-        responses = self._client.stream_infer(one_request())
-        answered = False  # the model's FINAL (or its error) came: the server ends the stream itself
-        try:
-            async for result, error in responses:
-                if error is not None:
-                    answered = True
-                    raise await self._request_error(str(error))
-                response = result.get_response()
-                final = response.parameters.get("triton_final_response")
-                answered = final is not None and final.bool_param
-                yield triton_requests.response_values(response)
-                if answered:
-                    return
-        except InferenceServerException as error:  # the stream itself failed (server gone, ...)
-            answered = True
-            raise await self._request_error(str(error)) from None
-        finally:
-            # Unanswered: the HTTP client went away (vLLM's serving code was cancelled) or stopped
-            # reading; cancelling the gRPC stream makes the backend abort the request in the engine.
-            await end_stream(responses, answered)
-
-    async def _request_error(self, message: str) -> Exception:
-        """A request's error as vLLM's serving code answers it: a ValueError is a 400; the engine
-        or model being unavailable is EngineUnavailable (the app answers 503)."""
-        if is_unavailable(message) or not await self._model_ready():
-            return EngineUnavailable(message)
-        return ValueError(message)
-
-    async def _model_ready(self) -> bool:
-        try:
-            return bool(await self._client.is_model_ready(self.model_name))
-        except InferenceServerException:
-            return False
-
     async def check_health(self) -> None:
-        if not await self._model_ready():
-            raise EngineUnavailable(f"Triton model {self.model_name} is not ready")
+        await self._streams.check_health()
 
     # What vLLM's serving code reads about the model.
     async def get_vllm_config(self) -> Any:
@@ -255,9 +155,9 @@ class TritonEngineClient(EngineClient):
         )
 
     async def _pooled(
-        self, request_id: str, prompt_ids: list[int], request: triton_requests.TritonRequest
+        self, request_id: str, prompt_ids: list[int], request: TritonRequest
     ) -> AsyncGenerator[PoolingRequestOutput, None]:
-        async with aclosing(self._responses(request_id, request)) as responses:
+        async with aclosing(self._streams.responses(request_id, request)) as responses:
             async for values in responses:
                 if TEXT_OUTPUT in values:  # the data response (the empty FINAL has none)
                     yield triton_requests.pooling_output(request_id, prompt_ids, values)

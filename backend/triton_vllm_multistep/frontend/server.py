@@ -1,9 +1,11 @@
 """The OpenAI server process: finds the repository's LLM models in Triton, then serves them.
 
-Owns the process's life: wait for tritonserver to be READY (over gRPC), build each loaded
-`vllm_multistep` model's ModelConfig, tokenizer and LoRA adapters from its own model.json and
-multi_lora.json (settings/, as its stub does), then run vLLM's app under uvicorn until SIGTERM (uvicorn
-stops accepting, lets requests in flight finish, then exits). Started by `serve --openai-port`
+Owns the process's life: wait for tritonserver to be live (over gRPC), read each loaded
+`vllm_multistep` model's settings (settings/, as its stub does); build each multi-step model's
+ModelConfig, tokenizer and LoRA adapters for vLLM 0.8.5's app, and start each `vllm_engine: v1` model's
+own server (frontend/v1_servers.py: vLLM 0.32's app in the V1 environment), routed to on this port
+(frontend/router.py); then serve under uvicorn until SIGTERM (uvicorn stops accepting, lets requests
+in flight finish, then exits; the V1 models' servers are stopped after it). Started by `serve --openai-port`
 (host/launcher.py), or on its own beside any tritonserver: `python -m triton_vllm_multistep.frontend`.
 """
 
@@ -19,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from triton_vllm_multistep.settings import Adapter, read_model_settings
+from triton_vllm_multistep.frontend import v1_servers
+from triton_vllm_multistep.settings import ModelSettings, read_model_settings
 
 BACKEND_NAME = "vllm_multistep"
 # asyncio's own loop, which grpc.aio supports; "uvloop" in this variable runs vllm serve's loop
@@ -55,19 +58,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ours.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds for requests in flight at SIGTERM")
     args = parser.parse_args(argv)
     validate_parsed_serve_args(args)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # passed on to the V1 models' servers
     return args
 
 
 async def wait_for_server(client: Any, timeout: float) -> None:
+    """Until tritonserver answers as live: it opens its endpoints once its start-up loads are done.
+    Not its readiness: under strict readiness (the default) one model that failed to load keeps the
+    whole server unready, while the loaded models are served."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if await client.is_server_ready():
+            if await client.is_server_live():
                 return
         except Exception:  # not listening yet
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"tritonserver not ready within {timeout:g} s")
+            raise TimeoutError(f"tritonserver not live within {timeout:g} s")
         await asyncio.sleep(0.5)
 
 
@@ -114,14 +121,13 @@ def adapter_model_names(adapters: dict[str, list[str]]) -> dict[str, dict[str, s
     return served
 
 
-def model_settings(name: str, version: str, loaded: dict, folder: Path) -> tuple[Any, Any, tuple[Adapter, ...]]:
-    """(ModelConfig, tokenizer, LoRA adapters) of a model, from its model.json (and the loaded
-    config's engine_args) as its stub reads them (settings/, engine/engine_args.py)."""
+def model_settings(settings: ModelSettings) -> tuple[Any, Any]:
+    """(ModelConfig, tokenizer) of a multi-step model, from its settings as its stub reads them
+    (settings/, engine/engine_args.py)."""
     from vllm.transformers_utils.tokenizer import get_tokenizer
 
     from triton_vllm_multistep.engine.engine_args import engine_args_of
 
-    settings = read_model_settings(folder, version, loaded)
     model_config = engine_args_of(settings).create_model_config()
     tokenizer = get_tokenizer(
         model_config.tokenizer,
@@ -129,38 +135,30 @@ def model_settings(name: str, version: str, loaded: dict, folder: Path) -> tuple
         trust_remote_code=model_config.trust_remote_code,
         revision=model_config.tokenizer_revision,
     )
-    return model_config, tokenizer, settings.adapters or ()
+    return model_config, tokenizer
 
 
-def without_v1_models(models: list[tuple[str, str, dict, Path]], named: list[str]) -> list[tuple[str, str, dict, Path]]:
-    """The models this API serves: not those on `vllm_engine: v1`, whose chat template and tokenizer
-    must run in the V1 environment (not built yet): skipped with a warning, or an error if named."""
-    served = []
-    for name, version, loaded, folder in models:
-        if read_model_settings(folder, version, loaded).backend.vllm_engine != "v1":
-            served.append((name, version, loaded, folder))
-        elif name in named:
-            raise RuntimeError(f"--triton-model {name}: vllm_engine 'v1' models are not served by this OpenAI API yet")
-        else:
-            logger.warning("model %s: not served by the OpenAI API (vllm_engine 'v1' models are not, yet)", name)
-    return served
+def on_v1(settings: ModelSettings) -> bool:
+    """A `vllm_engine: v1` model: served by a server of its own under the V1 environment's vLLM (its
+    tokenizer and chat template are that environment's: frontend/v1_servers.py)."""
+    return settings.backend.vllm_engine == "v1"
 
 
-def served_models(client: Any, models: list[tuple[str, str, dict, Path]]) -> list[Any]:
+def served_models(client: Any, models: dict[str, ModelSettings], adapter_names: dict[str, dict[str, str]]) -> list[Any]:
+    """The multi-step models as vLLM 0.8.5's app serves them; `adapter_names`: adapter_model_names'."""
     from vllm.entrypoints.openai.serving_models import LoRAModulePath
 
     from triton_vllm_multistep.frontend.app import ServedModel
     from triton_vllm_multistep.frontend.engine_client import TritonEngineClient
 
-    settings = {model[0]: model_settings(*model) for model in models}
-    names = adapter_model_names({name: [a.name for a in s[2]] for name, s in settings.items()})
     served = []
-    for name, (model_config, tokenizer, adapters) in settings.items():
-        paths = {a.name: a.path for a in adapters}
-        engine_client = TritonEngineClient(client, name, model_config, tokenizer, names[name])
+    for name, settings in models.items():
+        model_config, tokenizer = model_settings(settings)
+        paths = {a.name: a.path for a in settings.adapters or ()}
+        engine_client = TritonEngineClient(client, name, model_config, tokenizer, adapter_names[name])
         lora_modules = tuple(
             LoRAModulePath(served_name, paths[adapter], base_model_name=name)
-            for served_name, adapter in names[name].items()
+            for served_name, adapter in adapter_names[name].items()
         )
         served.append(ServedModel(engine_client, model_config.model, lora_modules))
     return served
@@ -172,19 +170,27 @@ async def serve(args: argparse.Namespace) -> None:
     from vllm.entrypoints.openai.api_server import TIMEOUT_KEEP_ALIVE
 
     from triton_vllm_multistep.frontend.app import build_openai_app
+    from triton_vllm_multistep.frontend.router import ModelRouter
 
     client = grpcclient.InferenceServerClient(args.grpc_url)
+    v1: list[v1_servers.V1Server] = []  # the V1 models' own servers, routed to
     try:
         await wait_for_server(client, args.ready_timeout)
         models = await discover(client, [Path(r) for r in args.model_repository], args.triton_model)
-        models = without_v1_models(models, args.triton_model)
         if not models:
             raise RuntimeError(f"tritonserver has no loaded {BACKEND_NAME} model to serve")
-        served = served_models(client, models)
-        app = await build_openai_app(served, args)
-        names = ", ".join(s.engine_client.model_name for s in served)
+        settings = {name: read_model_settings(folder, version, loaded) for name, version, loaded, folder in models}
+        adapter_names = adapter_model_names({name: [a.name for a in s.adapters or ()] for name, s in settings.items()})
+        for name in (name for name, s in settings.items() if on_v1(s)):
+            v1.append(v1_servers.start(args.argv, args.grpc_url, settings[name], adapter_names[name]))
+        for v1_server in v1:
+            await v1_servers.wait_healthy(v1_server, args.ready_timeout)
+        multistep = {name: s for name, s in settings.items() if not on_v1(s)}
+        app = await build_openai_app(served_models(client, multistep, adapter_names), args) if multistep else None
+        routed = {served: v1_server.url for v1_server in v1 for served in v1_server.served_names}
+        names = ", ".join(settings)
         config = uvicorn.Config(
-            app,
+            ModelRouter(app, routed) if v1 else app,
             host=args.host or "0.0.0.0",
             port=args.port,
             loop="none",  # this process's own loop (see main)
@@ -199,6 +205,7 @@ async def serve(args: argparse.Namespace) -> None:
         )
         await server.serve()
     finally:
+        v1_servers.stop_all(v1, args.shutdown_timeout)
         await client.close()
 
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from triton_vllm_multistep.demo import models as demo_models
-from triton_vllm_multistep.engine.process import V1_PYTHON_ENV, v1_environment_python
 from triton_vllm_multistep.host import openai_process, stub_python
 from triton_vllm_multistep.lifecycle import procfs, triton_command
 from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV, EXIT_GRACE_SECONDS
 from triton_vllm_multistep.lifecycle.server_drain import DrainResult, drain_server
+from triton_vllm_multistep.settings.v1_environment import V1_PYTHON_ENV, v1_environment_python
 from triton_vllm_multistep.stub.device import gpu_count
 from triton_vllm_multistep.stubguard import records
 

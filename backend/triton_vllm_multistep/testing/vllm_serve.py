@@ -78,30 +78,8 @@ class VllmServe:
     def completion(
         self, prompt: str | Sequence[int], sampling: Mapping[str, Any], stream: bool
     ) -> tuple[list[int], str, int]:
-        """(token ids, text, responses carrying tokens) of one /v1/completions request: the prompt as
-        text or token ids, `sampling` as request fields (vLLM's names). Needs vLLM's
-        `return_token_ids` (0.10+: the V1 environment's)."""
-        import requests
-
-        body = {"model": self.served_name, "prompt": prompt if isinstance(prompt, str) else list(prompt)}
-        body.update({**sampling, "stream": stream, "return_token_ids": True})
-        response = requests.post(f"{self.http_url}/v1/completions", json=body, stream=stream, timeout=300)
-        if response.status_code != 200:
-            raise RuntimeError(f"vllm serve answered {response.status_code}: {response.text[:2000]}")
-        if not stream:
-            (choice,) = response.json()["choices"]
-            return list(choice["token_ids"]), choice["text"], 1
-        ids: list[int] = []
-        text, chunks = "", 0
-        for line in response.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            for choice in json.loads(line[len(b"data: ") :])["choices"]:
-                new_ids = choice.get("token_ids") or []
-                ids += new_ids
-                text += choice.get("text") or ""
-                chunks += bool(new_ids)
-        return ids, text, chunks
+        """openai_completion of this server's model."""
+        return openai_completion(self.http_url, self.served_name, prompt, sampling, stream)
 
     def prompt_logprobs(
         self, prompt: str | Sequence[int], sampling: Mapping[str, Any]
@@ -131,6 +109,58 @@ class VllmServe:
                     os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(10)
         return self.process.returncode
+
+
+def openai_completion(
+    base_url: str, model: str, prompt: str | Sequence[int], sampling: Mapping[str, Any], stream: bool
+) -> tuple[list[int], str, int]:
+    """(token ids, text, responses carrying tokens) of one /v1/completions request to an OpenAI server
+    of vLLM 0.10+ (`return_token_ids`: vLLM serve of the V1 environment, or this backend's API for a V1
+    model): the prompt as text or token ids, `sampling` as request fields (vLLM's names)."""
+    import requests
+
+    body = {"model": model, "prompt": prompt if isinstance(prompt, str) else list(prompt)}
+    body.update({**sampling, "stream": stream, "return_token_ids": True})
+    response = requests.post(f"{base_url}/v1/completions", json=body, stream=stream, timeout=300)
+    if response.status_code != 200:
+        raise RuntimeError(f"{base_url} answered {response.status_code}: {response.text[:2000]}")
+    if not stream:
+        (choice,) = response.json()["choices"]
+        return list(choice["token_ids"]), choice["text"], 1
+    ids: list[int] = []
+    text, chunks = "", 0
+    for line in response.iter_lines():
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        for choice in json.loads(line[len(b"data: ") :])["choices"]:
+            new_ids = choice.get("token_ids") or []
+            ids += new_ids
+            text += choice.get("text") or ""
+            chunks += bool(new_ids)
+    return ids, text, chunks
+
+
+def openai_chat(
+    base_url: str, model: str, messages: Sequence[Mapping[str, str]], sampling: Mapping[str, Any], stream: bool
+) -> tuple[str, int]:
+    """(answer text, chunks carrying text) of one /v1/chat/completions request (the server's own chat template)."""
+    import requests
+
+    body = {"model": model, "messages": list(messages), **sampling, "stream": stream}
+    response = requests.post(f"{base_url}/v1/chat/completions", json=body, stream=stream, timeout=300)
+    if response.status_code != 200:
+        raise RuntimeError(f"{base_url} answered {response.status_code}: {response.text[:2000]}")
+    if not stream:
+        return response.json()["choices"][0]["message"]["content"], 1
+    text, chunks = "", 0
+    for line in response.iter_lines():
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        for choice in json.loads(line[len(b"data: ") :])["choices"]:
+            content = (choice.get("delta") or {}).get("content") or ""
+            text += content
+            chunks += bool(content)
+    return text, chunks
 
 
 def start_vllm_serve(
