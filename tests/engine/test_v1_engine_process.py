@@ -9,13 +9,11 @@ V1 `LLM` in that environment (a subprocess). No Triton (tests/e2e has the served
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from unittest import mock
 
 import pytest
 from relay import Relay
@@ -33,7 +31,6 @@ from triton_vllm_multistep.engine.events import (
     StepOutputs,
 )
 from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec, v1_environment_python
-from triton_vllm_multistep.engine_v1 import async_driver
 
 REPO = Path(__file__).resolve().parents[2]
 V1_PYTHON = v1_environment_python() or REPO / ".venv-v1" / "bin" / "python"
@@ -63,14 +60,11 @@ def offline_v1() -> dict[str, list[int]]:
     )
 
 
-@pytest.fixture(scope="module", params=["engine thread", async_driver.ASYNC_DRIVER])
-def v1_process(request: pytest.FixtureRequest) -> Iterator[Relay]:
-    """One V1 engine process per driver (vLLM's synchronous client on the engine thread, the default;
-    its asynchronous client: engine_v1/async_driver.py), shared by the tests that need a working engine."""
-    driver = {async_driver.DRIVER_ENV: request.param} if request.param == async_driver.ASYNC_DRIVER else {}
-    with mock.patch.dict(os.environ, driver):  # the engine process inherits it at its launch
-        process = EngineProcess(EngineSpec(_fields(), "step"), python=str(V1_PYTHON), v1=True)
-        process.start_engine()
+@pytest.fixture(scope="module")
+def v1_process() -> Iterator[Relay]:
+    """One V1 engine process, served once, shared by the tests that need a working engine."""
+    process = EngineProcess(EngineSpec(_fields(), "step"), python=str(V1_PYTHON), v1=True)
+    process.start_engine()
     yield Relay(process)
     process.stop()
 

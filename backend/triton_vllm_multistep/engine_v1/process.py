@@ -37,7 +37,7 @@ from triton_vllm_multistep.engine.events import (
 )
 from triton_vllm_multistep.engine.messages import Abort, Built, EngineSpec, Serve, Stop, Stopped, build_failure, sender
 from triton_vllm_multistep.engine.outputs import plain_outputs
-from triton_vllm_multistep.engine_v1 import async_driver, cpu_async, cpu_compile_cache, cpu_lora, stats
+from triton_vllm_multistep.engine_v1 import cpu_async, cpu_compile_cache, cpu_lora, stats
 from triton_vllm_multistep.engine_v1.sampling import UnsupportedOnV1, pooling_params, sampling_params
 from triton_vllm_multistep.interface import SERVED_TASKS
 
@@ -56,17 +56,17 @@ class _CoreDied:
     """The core watcher's command: the engine core is gone (the engine thread raises vLLM's error)."""
 
 
-def engine_arguments(spec: EngineSpec, asynchronous: bool = False) -> Any:
-    """V1's EngineArgs (AsyncEngineArgs for the asynchronous client) for the spec's engine arguments,
-    the CPU platform's fixes set before the engine core starts (it inherits the environment)."""
+def engine_arguments(spec: EngineSpec) -> Any:
+    """V1's EngineArgs for the spec's engine arguments, the CPU platform's fixes set before the engine
+    core starts (it inherits the environment)."""
     import vllm
-    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+    from vllm.engine.arg_utils import EngineArgs
 
     # Stats on whatever model.json says: the scheduler's stats are the metrics' KV-cache figures
     # (KvCacheStats); config.pbtxt / model.json decide whether the stub publishes them.
     arguments = {**spec.engine_args, "disable_log_stats": False}
     try:
-        engine_args = (AsyncEngineArgs if asynchronous else EngineArgs)(**arguments)
+        engine_args = EngineArgs(**arguments)
     except (TypeError, ValueError) as error:  # model.json's fields, in vLLM's words
         raise EngineBuildError(f"vLLM {vllm.__version__} (V1) refuses model.json's engine arguments: {error}") from None
     from vllm.platforms import current_platform
@@ -92,17 +92,6 @@ def build_engine(spec: EngineSpec) -> tuple[Any, stats.SchedulerStatsLogger]:
     engine = LLMEngine.from_engine_args(engine_args, stat_loggers=[recorder])
     preload_adapters(engine, spec.lora_adapters)
     return engine, recorder.latest
-
-
-async def build_async_engine(spec: EngineSpec) -> tuple[Any, stats.SchedulerStatsLogger, tuple[str, ...]]:
-    """V1's AsyncLLM for the spec, built on the loop that will drive it, its scheduler stats captured;
-    and the tasks it serves."""
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    engine_args = engine_arguments(spec, asynchronous=True)
-    recorder = stats.SchedulerStatsLogger.factory()
-    engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[recorder])
-    return engine, recorder.latest, tuple(await engine.get_supported_tasks())
 
 
 def refuse_image_models_on_cpu(engine_args: Any) -> None:
@@ -135,7 +124,7 @@ def preload_adapters(engine: Any, adapters: tuple[tuple[str, int, str], ...]) ->
     )
 
 
-def engine_facts(engine: Any, tasks: tuple[str, ...] | None = None) -> EngineFacts:
+def engine_facts(engine: Any) -> EngineFacts:
     model_config = engine.vllm_config.model_config
     lora_config = engine.vllm_config.lora_config
     return EngineFacts(
@@ -151,7 +140,7 @@ def engine_facts(engine: Any, tasks: tuple[str, ...] | None = None) -> EngineFac
         async_scheduling=bool(engine.vllm_config.scheduler_config.async_scheduling),
         scheduling_policy=str(engine.vllm_config.scheduler_config.policy),
         cache_config=tuple(engine.vllm_config.cache_config.metrics_info().items()),
-        tasks=tuple(task for task in SERVED_TASKS if task in (tasks or engine.get_supported_tasks())),
+        tasks=tuple(task for task in SERVED_TASKS if task in engine.get_supported_tasks()),
     )
 
 
@@ -316,9 +305,6 @@ def serve_engine(connection: Connection) -> None:
         return
     if not isinstance(spec, EngineSpec):
         return
-    if os.environ.get(async_driver.DRIVER_ENV) == async_driver.ASYNC_DRIVER:
-        serve_engine_async(connection, send, spec)
-        return
     try:
         engine, recorder = build_engine(spec)
         facts = engine_facts(engine)
@@ -362,37 +348,3 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def serve_engine_async(connection: Connection, send: Any, spec: EngineSpec) -> None:
-    """serve_engine with vLLM's asynchronous client (async_driver.py)."""
-    driver = async_driver.AsyncEngineDriver(send)
-    try:
-        engine, recorder, tasks = driver.call(build_async_engine(spec))
-        from vllm.lora.request import LoRARequest
-
-        load_adapters_once(
-            spec.lora_adapters, lambda *adapter: driver.call(engine.add_lora(LoRARequest(*adapter))), engine.shutdown
-        )
-        facts = engine_facts(engine, tasks)
-    except BaseException as error:
-        connection.send(build_failure(error))
-        driver.stop()
-        return
-    import torch
-
-    driver.attach(
-        engine, recorder, RequestPreparation(engine.get_tokenizer(), engine.vllm_config, spec.max_prompt_tokens)
-    )
-    send(Built(facts, torch.get_num_threads()))
-    try:
-        while not driver.stopped.is_set():
-            try:
-                message = connection.recv()
-            except (EOFError, OSError):
-                break
-            driver.put(message)
-            if isinstance(message, Stop):
-                break
-    finally:
-        driver.stop(Stopped())

@@ -9,7 +9,6 @@ stub's metrics publish (KvCacheStats; a step's iteration tokens and preemptions)
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from triton_vllm_multistep.engine.events import KvCacheStats
@@ -25,8 +24,6 @@ class SchedulerStatsLogger:
         self._hits = 0
         self._iteration_tokens: int | None = None
         self._preemptions = 0
-        # Called after each step's statistics are recorded (async_driver.py ends its step there).
-        self.on_record: Callable[[], None] | None = None
 
     @classmethod
     def factory(cls) -> Any:
@@ -45,8 +42,6 @@ class SchedulerStatsLogger:
                     latest.record(scheduler_stats)
                 if iteration_stats is not None:
                     latest.record_iteration(iteration_stats)
-                if latest.on_record is not None:
-                    latest.on_record()
 
             def log_engine_initialized(self) -> None:
                 pass

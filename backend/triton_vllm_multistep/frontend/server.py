@@ -181,14 +181,22 @@ async def serve(args: argparse.Namespace) -> None:
             raise RuntimeError(f"tritonserver has no loaded {BACKEND_NAME} model to serve")
         settings = {name: read_model_settings(folder, version, loaded) for name, version, loaded, folder in models}
         adapter_names = adapter_model_names({name: [a.name for a in s.adapters or ()] for name, s in settings.items()})
-        for name in (name for name, s in settings.items() if on_v1(s)):
-            v1.append(v1_servers.start(args.argv, args.grpc_url, settings[name], adapter_names[name]))
+        multistep = {name: s for name, s in settings.items() if not on_v1(s)}
+        on_v1_models = [name for name, s in settings.items() if on_v1(s)]
+        # One V1 model alone: its server takes this API's address itself (no routing hop per chunk).
+        alone = (args.host or "0.0.0.0", args.port) if not multistep and len(on_v1_models) == 1 else None
+        for name in on_v1_models:
+            v1.append(v1_servers.start(args.argv, args.grpc_url, settings[name], adapter_names[name], alone))
         for v1_server in v1:
             await v1_servers.wait_healthy(v1_server, args.ready_timeout)
-        multistep = {name: s for name, s in settings.items() if not on_v1(s)}
+        names = ", ".join(settings)
+        announcement = f"[triton-vllm-multistep] OpenAI-compatible API on port {args.port}: {names}"
+        if alone is not None:
+            print(announcement, file=sys.stderr, flush=True)
+            await v1_servers.run_in_front(v1[0])
+            return
         app = await build_openai_app(served_models(client, multistep, adapter_names), args) if multistep else None
         routed = {served: v1_server.url for v1_server in v1 for served in v1_server.served_names}
-        names = ", ".join(settings)
         config = uvicorn.Config(
             ModelRouter(app, routed) if v1 else app,
             host=args.host or "0.0.0.0",
@@ -200,9 +208,7 @@ async def serve(args: argparse.Namespace) -> None:
         )
         server = uvicorn.Server(config)
         logger.info("OpenAI-compatible API for %s on port %d", names, args.port)
-        print(
-            f"[triton-vllm-multistep] OpenAI-compatible API on port {args.port}: {names}", file=sys.stderr, flush=True
-        )
+        print(announcement, file=sys.stderr, flush=True)
         await server.serve()
     finally:
         v1_servers.stop_all(v1, args.shutdown_timeout)

@@ -4,8 +4,10 @@ Owns their lives: each V1 model's server (frontend_v1/, vLLM 0.32's app) runs un
 environment's Python (TRITON_VLLM_MULTISTEP_V1_PYTHON, which the launcher and the image set, else the
 .venv-v1 beside this environment) on a local port, with this server's vLLM `serve` options and the
 model's engine arguments and adapters as its settings give them; this server waits for each to be
-healthy, routes to them (frontend/router.py); each ends when this server does (it asks for its
-parent's death signal), or when this server stops them after an error.
+healthy, routes to them (frontend/router.py), or, when one V1 model is all the API serves, lets its
+server take the API's own address (no routing hop) and passes it the signals to stop. Each ends when
+this server does (it asks for its parent's death signal), or when this server stops them after an
+error.
 """
 
 from __future__ import annotations
@@ -75,7 +77,13 @@ def passed_options(argv: Sequence[str]) -> list[str]:
 
 
 def server_argv(
-    python: str, argv: Sequence[str], grpc_url: str, settings: ModelSettings, adapters: Mapping[str, str], port: int
+    python: str,
+    argv: Sequence[str],
+    grpc_url: str,
+    settings: ModelSettings,
+    adapters: Mapping[str, str],
+    port: int,
+    host: str = "127.0.0.1",
 ) -> list[str]:
     """The argv of `settings`' model's server: `adapters` maps each served adapter name to its
     multi_lora.json name."""
@@ -90,7 +98,7 @@ def server_argv(
         f"--adapters={json.dumps(dict(adapters))}",
         f"--model={settings.engine_args['model']}",
         f"--served-model-name={settings.name}",
-        "--host=127.0.0.1",
+        f"--host={host}",
         f"--port={port}",
     ]
     if adapters:
@@ -114,13 +122,33 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start(argv: Sequence[str], grpc_url: str, settings: ModelSettings, adapters: Mapping[str, str]) -> V1Server:
-    port = free_port()
-    command = server_argv(v1_python(), argv, grpc_url, settings, adapters, port)
-    logger.info("starting the OpenAI server of V1 model %s on local port %d", settings.name, port)
+def start(
+    argv: Sequence[str],
+    grpc_url: str,
+    settings: ModelSettings,
+    adapters: Mapping[str, str],
+    address: tuple[str, int] | None = None,
+) -> V1Server:
+    """The model's server on a local port, or on `address` (host, port) when it is the API alone."""
+    host, port = address if address is not None else ("127.0.0.1", free_port())
+    command = server_argv(v1_python(), argv, grpc_url, settings, adapters, port, host)
+    logger.info("starting the OpenAI server of V1 model %s on %s:%d", settings.name, host, port)
     # In this process's group: the launcher's kill of it reaches them too.
     process = subprocess.Popen(command, env=v1_environment(os.environ), stdin=subprocess.DEVNULL)
-    return V1Server(settings.name, f"http://127.0.0.1:{port}", process, (settings.name, *adapters))
+    local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return V1Server(settings.name, f"http://{local}:{port}", process, (settings.name, *adapters))
+
+
+async def run_in_front(server: V1Server) -> None:
+    """Until the server on the API's address exits: SIGTERM and SIGINT passed on to it (it stops
+    accepting and lets its requests in flight finish); its failure raised."""
+    loop = asyncio.get_running_loop()
+    asked = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: (asked.append(True), server.process.send_signal(signal.SIGTERM)))
+    code = await asyncio.to_thread(server.process.wait)
+    if code != 0 and not asked:
+        raise V1ServerError(f"the OpenAI server of V1 model {server.model} exited with code {code} (its log above)")
 
 
 async def wait_healthy(server: V1Server, timeout: float) -> None:
