@@ -108,7 +108,7 @@ def start_vllm_serve(model: str, log_path: Path) -> tuple[VllmServe, float]:
 def start_vllm_serve_v1(model: str, log_path: Path, engine_fields: dict[str, Any]) -> tuple[VllmServe, float]:
     """vLLM's OpenAI API server of the V1 environment (vLLM 0.32) on a free port, serving `MODEL` with
     the engine arguments our V1 model runs (no num_scheduler_steps; `engine_fields` on top)."""
-    from triton_vllm_multistep.engine.process import v1_environment_python
+    from triton_vllm_multistep.settings.v1_environment import v1_environment_python
 
     python = v1_environment_python()
     if python is None:

@@ -30,7 +30,8 @@ from triton_vllm_multistep.engine.events import (
     RequestFailed,
     StepOutputs,
 )
-from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec, v1_environment_python
+from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec
+from triton_vllm_multistep.settings.v1_environment import PACKAGE_PARENT, v1_environment_python
 
 REPO = Path(__file__).resolve().parents[2]
 V1_PYTHON = v1_environment_python() or REPO / ".venv-v1" / "bin" / "python"
@@ -110,7 +111,7 @@ def test_every_message_round_trips_between_the_two_pythons() -> None:
             capture_output=True,
             timeout=120,
             check=False,
-            env={"PYTHONPATH": engine_process.PACKAGE_PARENT, "PATH": "/usr/bin:/bin"},
+            env={"PYTHONPATH": PACKAGE_PARENT, "PATH": "/usr/bin:/bin"},
         )
         assert done.returncode == 0, done.stderr.decode()[-2000:]
         assert pickle.loads(done.stdout) == message
@@ -201,7 +202,7 @@ def test_on_a_gpu_platform_the_v1_engine_process_leaves_vllms_decisions_to_vllm(
         (),
         json.dumps(cases),
         "the V1 GPU decisions script",
-        {"PYTHONPATH": engine_process.PACKAGE_PARENT},
+        {"PYTHONPATH": PACKAGE_PARENT},
     )
     (line,) = [line for line in stdout.splitlines() if line.startswith("GPU-DECISIONS ")]
     found = json.loads(line.removeprefix("GPU-DECISIONS "))

@@ -14,8 +14,8 @@ from triton_vllm_multistep.engine.process import (
     EngineSpec,
     NoPythonForEngineProcess,
     python_for_children,
-    v1_import_path,
 )
+from triton_vllm_multistep.settings.v1_environment import v1_import_path
 
 
 def test_the_environment_variable_wins(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -50,7 +50,8 @@ def run_v1_checks(report: SmokeReport, engine_values: dict[str, Any], python: st
     """Build the V1 engine process, stream the requests in one batch, compare with V1's offline LLM."""
     from triton_vllm_multistep.checks.v1_reference import offline_v1_outputs
     from triton_vllm_multistep.engine.events import EngineRequest
-    from triton_vllm_multistep.engine.process import V1_PYTHON_ENV, EngineProcess, EngineSpec, v1_environment_python
+    from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec
+    from triton_vllm_multistep.settings.v1_environment import V1_PYTHON_ENV, v1_environment_python
 
     local = v1_environment_python()
     python = python or os.environ.get(V1_PYTHON_ENV) or (str(local) if local else None)

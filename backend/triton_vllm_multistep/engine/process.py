@@ -58,13 +58,7 @@ from triton_vllm_multistep.engine.messages import (  # the process's messages, r
     build_failure,
     sender,
 )
-from triton_vllm_multistep.settings.v1_environment import (  # noqa: F401 (reachable from here too)
-    PACKAGE_PARENT,
-    V1_PYTHON_ENV,
-    v1_environment,
-    v1_environment_python,
-    v1_import_path,
-)
+from triton_vllm_multistep.settings.v1_environment import V1_PYTHON_ENV, v1_environment
 
 logger = logging.getLogger(__name__)
 

@@ -56,11 +56,11 @@ class _CoreDied:
     """The core watcher's command: the engine core is gone (the engine thread raises vLLM's error)."""
 
 
-def engine_arguments(spec: EngineSpec) -> Any:
-    """V1's EngineArgs for the spec's engine arguments, the CPU platform's fixes set before the engine
-    core starts (it inherits the environment)."""
+def build_engine(spec: EngineSpec) -> tuple[Any, stats.SchedulerStatsLogger]:
+    """V1's LLMEngine for the spec's engine arguments, its scheduler stats captured."""
     import vllm
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
 
     # Stats on whatever model.json says: the scheduler's stats are the metrics' KV-cache figures
     # (KvCacheStats); config.pbtxt / model.json decide whether the stub publishes them.
@@ -80,14 +80,6 @@ def engine_arguments(spec: EngineSpec) -> Any:
     if engine_args.enable_lora and current_platform.is_cpu():
         os.environ[cpu_lora.FIX_ENV] = "1"  # before the engine core starts: it inherits the environment
         cpu_lora.exact_base_rows_in_mixed_batches()
-    return engine_args
-
-
-def build_engine(spec: EngineSpec) -> tuple[Any, stats.SchedulerStatsLogger]:
-    """V1's LLMEngine for the spec's engine arguments, its scheduler stats captured."""
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    engine_args = engine_arguments(spec)
     recorder = stats.SchedulerStatsLogger.factory()
     engine = LLMEngine.from_engine_args(engine_args, stat_loggers=[recorder])
     preload_adapters(engine, spec.lora_adapters)
@@ -144,40 +136,6 @@ def engine_facts(engine: Any) -> EngineFacts:
     )
 
 
-class RequestPreparation:
-    """A request's prompt, V1 parameters and adapter as V1's add_request takes them (either driver)."""
-
-    def __init__(self, tokenizer: Any, vllm_config: Any, max_prompt_tokens: int = 0) -> None:
-        self.tokenizer = tokenizer
-        self.prompt_limit = prompt_limit(vllm_config.model_config.max_model_len, max_prompt_tokens)
-
-    def __call__(self, request: EngineRequest) -> tuple[dict[str, Any], Any, Any]:
-        """(prompt, SamplingParams or PoolingParams, LoRARequest or None); raises for a refused request."""
-        params = sampling_params(request.sampling) if request.pooling is None else pooling_params(request.pooling)
-        lora = None
-        if request.adapter is not None:
-            from vllm.lora.request import LoRARequest
-
-            lora = LoRARequest(*request.adapter)
-        if request.images:
-            raise UnsupportedOnV1(
-                "images: not served on vllm_engine 'v1' by this backend yet; vllm_engine 'multistep' serves them"
-            )
-        return self.prompt(request), params, lora
-
-    def prompt(self, request: EngineRequest) -> dict[str, Any]:
-        """The prompt as V1 takes it: a text prompt tokenized here, as V1's own input processing does
-        (the tokenizer's `encode`, special tokens added), and checked as the stub checks token ids."""
-        if request.prompt_text is None:
-            return {"prompt_token_ids": list(request.prompt_token_ids)}
-        ids = self.tokenizer.encode(request.prompt_text)
-        if not ids:
-            raise ValueError(EMPTY_PROMPT_MESSAGE)
-        if len(ids) > self.prompt_limit:
-            raise ValueError(prompt_too_long_message(len(ids), self.prompt_limit))
-        return {"prompt_token_ids": ids, "prompt": request.prompt_text}
-
-
 class EngineThread:
     """The engine's one caller: commands in through a queue, events out through `send`."""
 
@@ -187,7 +145,8 @@ class EngineThread:
         self.engine = engine
         self.send = send
         self.recorder = recorder
-        self.prepare = RequestPreparation(engine.get_tokenizer(), engine.vllm_config, max_prompt_tokens)
+        self.tokenizer = engine.get_tokenizer()
+        self.prompt_limit = prompt_limit(engine.vllm_config.model_config.max_model_len, max_prompt_tokens)
         self.commands: queue.Queue[Any] = queue.Queue()
         self.serve: Serve | None = None
         self.in_flight: set[str] = set()
@@ -260,12 +219,34 @@ class EngineThread:
 
     def _admit(self, request: EngineRequest) -> None:
         try:
-            prompt, params, lora = self.prepare(request)
+            params = sampling_params(request.sampling) if request.pooling is None else pooling_params(request.pooling)
+            lora = None
+            if request.adapter is not None:
+                from vllm.lora.request import LoRARequest
+
+                lora = LoRARequest(*request.adapter)
+            if request.images:
+                raise UnsupportedOnV1(
+                    "images: not served on vllm_engine 'v1' by this backend yet; vllm_engine 'multistep' serves them"
+                )
+            prompt = self._prompt(request)
             self.engine.add_request(request.request_id, prompt, params, lora_request=lora, priority=request.priority)
         except Exception as error:  # this request alone: refused in vLLM's words (or the stub's)
             self.send(RequestFailed(request.request_id, str(error)))
             return
         self.in_flight.add(request.request_id)
+
+    def _prompt(self, request: EngineRequest) -> dict[str, Any]:
+        """The prompt as V1 takes it: a text prompt tokenized here, as V1's own input processing does
+        (the tokenizer's `encode`, special tokens added), and checked as the stub checks token ids."""
+        if request.prompt_text is None:
+            return {"prompt_token_ids": list(request.prompt_token_ids)}
+        ids = self.tokenizer.encode(request.prompt_text)
+        if not ids:
+            raise ValueError(EMPTY_PROMPT_MESSAGE)
+        if len(ids) > self.prompt_limit:
+            raise ValueError(prompt_too_long_message(len(ids), self.prompt_limit))
+        return {"prompt_token_ids": ids, "prompt": request.prompt_text}
 
     def _step(self) -> None:
         started = time.perf_counter()

@@ -89,10 +89,14 @@ class ModelRouter:
             await self._http.aclose()
             self._http = None
 
+    async def _answers(self, scope: Scope) -> list[tuple[int, bytes]]:
+        """(status, body) of this GET from every server: the multi-step app's, then each V1 model's."""
+        answers = [await self._local_answer(scope)] if self._local is not None else []
+        return answers + [await self._remote_answer(server, scope) for server in self._servers]
+
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Every server's model list in one; a server's refusal (a wrong API key) answered as is."""
-        answers = [await self._local_answer(scope)] if self._local is not None else []
-        answers += [await self._remote_answer(server, scope) for server in self._servers]
+        answers = await self._answers(scope)
         refused = next(((status, body) for status, body in answers if status != 200), None)
         if refused is not None:
             await _respond(send, *refused)
@@ -101,8 +105,7 @@ class ModelRouter:
         await _respond(send, 200, json.dumps({"object": "list", "data": cards}).encode())
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
-        answers = [await self._local_answer(scope)] if self._local is not None else []
-        answers += [await self._remote_answer(server, scope) for server in self._servers]
+        answers = await self._answers(scope)
         failed = next(((status, body) for status, body in answers if status != 200), None)
         await _respond(send, *(failed or (200, b"")))
 
@@ -124,10 +127,9 @@ class ModelRouter:
         try:
             response = await self.http.get(server + scope["path"], headers=_passed_headers(scope))
         except httpx.HTTPError as error:
-            message = f"the OpenAI server of a vllm_engine 'v1' model ({server}) did not answer: {error}"
-            return 503, json.dumps(
-                {"object": "error", "message": message, "type": "ServiceUnavailableError", "code": 503}
-            ).encode()
+            return 503, _unavailable(
+                f"the OpenAI server of a vllm_engine 'v1' model ({server}) did not answer: {error}"
+            )
         return response.status_code, response.content
 
     async def _proxy(self, server: str, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:

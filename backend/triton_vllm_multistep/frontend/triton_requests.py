@@ -19,6 +19,7 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.sequence import Logprob
 
 from triton_vllm_multistep.frontend.triton_stream import (
+    FINAL_RESPONSE_PARAMETERS,
     TritonRequest,
     changed_fields,
     generation_request,
@@ -99,7 +100,7 @@ def embedding_request(prompt_token_ids: Sequence[int], params: PoolingParams, pr
     }
     if priority:
         inputs[PRIORITY] = np.array([priority], dtype=np.int32)
-    return TritonRequest(inputs, (TEXT_OUTPUT, NUM_INPUT_TOKENS), {"triton_enable_empty_final_response": True})
+    return TritonRequest(inputs, (TEXT_OUTPUT, NUM_INPUT_TOKENS), dict(FINAL_RESPONSE_PARAMETERS))
 
 
 def pooling_output(

@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.grpc._utils import _get_inference_request as inference_request
+from tritonclient.grpc._utils import get_error_grpc
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from triton_vllm_multistep.frontend.errors import EngineUnavailable, is_unavailable
@@ -84,6 +85,9 @@ def changed_fields(params: Any, defaults: Any) -> dict[str, Any]:
 
 # Outputs asked of the model for a generation: the backend builds only these (docs/interface.md).
 GENERATION_OUTPUTS = (TEXT_OUTPUT, OUTPUT_IDS, FINISH_REASON, NUM_OUTPUT_TOKENS)
+# Triton's own request parameters on every request: the empty FINAL tells the client the stream is
+# over whatever the last data response said.
+FINAL_RESPONSE_PARAMETERS = {"triton_enable_empty_final_response": True}
 # How long a stream whose FINAL came may take to be ended by the server (it ends it at once).
 STREAM_END_SECONDS = 5.0
 
@@ -94,7 +98,7 @@ class TritonRequest:
 
     inputs: dict[str, np.ndarray]
     outputs: tuple[str, ...]
-    parameters: dict[str, bool]  # Triton's own request parameters (triton_enable_empty_final_response)
+    parameters: dict[str, bool]  # Triton's own request parameters (FINAL_RESPONSE_PARAMETERS)
 
 
 def generation_request(
@@ -129,8 +133,7 @@ def generation_request(
         outputs = (*outputs, LOGPROBS)
     if prompt_logprobs:
         outputs = (*outputs, PROMPT_LOGPROBS)
-    # The empty FINAL tells the client the stream is over whatever the last data response said.
-    return TritonRequest(inputs, outputs, {"triton_enable_empty_final_response": True})
+    return TritonRequest(inputs, outputs, dict(FINAL_RESPONSE_PARAMETERS))
 
 
 # One step's logprobs as the backend sends them: {token id (text): {"logprob", "rank", "decoded_token"}}.
@@ -258,7 +261,7 @@ def _bytes_elements(raw: bytes) -> list[bytes]:
 
 
 async def end_stream(responses: Any, answered: bool, timeout: float = STREAM_END_SECONDS) -> None:
-    """End one gRPC stream of `stream_infer`: cancelled when its request is unanswered; otherwise read
+    """End one gRPC stream (a streaming call's iterator): cancelled when its request is unanswered; otherwise read
     to its end, which the server makes right after the FINAL. Never cancelled once answered: Triton
     2.51's gRPC frontend can lose the state of a stream cancelled while it finishes it, and that state
     keeps its model from ever unloading (docs/lifecycle.md, "A stream cancelled as it ends")."""
@@ -327,7 +330,7 @@ class ModelStreams:
                     return
         except grpc.RpcError as error:  # the stream itself failed (server gone, ...)
             answered = True
-            raise await self.request_error(f"{error.code()}: {error.details()}") from None
+            raise await self.request_error(str(get_error_grpc(error))) from None  # in tritonclient's words
         finally:
             # Unanswered: the HTTP client went away (vLLM's serving code was cancelled) or stopped
             # reading; cancelling the gRPC stream makes the backend abort the request in the engine.

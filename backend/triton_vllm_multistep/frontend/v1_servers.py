@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from triton_vllm_multistep.lifecycle import triton_command
 from triton_vllm_multistep.settings import ModelSettings
 from triton_vllm_multistep.settings.v1_environment import V1_PYTHON_ENV, v1_environment, v1_environment_python
 
@@ -135,8 +136,9 @@ def start(
     logger.info("starting the OpenAI server of V1 model %s on %s:%d", settings.name, host, port)
     # In this process's group: the launcher's kill of it reaches them too.
     process = subprocess.Popen(command, env=v1_environment(os.environ), stdin=subprocess.DEVNULL)
-    local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    return V1Server(settings.name, f"http://{local}:{port}", process, (settings.name, *adapters))
+    local = triton_command.local_address(host)
+    url = f"http://[{local}]:{port}" if ":" in local else f"http://{local}:{port}"
+    return V1Server(settings.name, url, process, (settings.name, *adapters))
 
 
 async def run_in_front(server: V1Server) -> None:

@@ -64,6 +64,9 @@ class TritonV1EngineClient(TritonModelState, EngineClient):
             raise UnsupportedRequest("only tokenized prompts reach this server's engine client")
         if prompt.get("multi_modal_data") or prompt.get("mm_kwargs"):
             raise UnsupportedRequest("images are not served for vllm_engine 'v1' models")
+        if sampling_params.n > 1 and sampling_params.output_kind == RequestOutputKind.DELTA:
+            # A V1 model streams each completion's step as a response of its own, without its index.
+            raise UnsupportedRequest("streamed n > 1 is not served for vllm_engine 'v1' models yet (whole answers are)")
         lora_name = self._adapters.get(lora_request.lora_name) if lora_request is not None else None
         prompt_ids = list(prompt["prompt_token_ids"])
         request = triton_requests.triton_request(prompt_ids, sampling_params, lora_name, priority)

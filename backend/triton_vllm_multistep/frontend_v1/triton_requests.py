@@ -27,10 +27,10 @@ from triton_vllm_multistep.frontend.triton_stream import (
 from triton_vllm_multistep.interface import LORA_NAME_FIELD
 
 # Sent: triton_stream's SENT_SAMPLING_FIELDS when they differ from vLLM's defaults (the V1 engine
-# process builds V1's SamplingParams from them with the same defaults); `n` and `max_tokens` always,
-# `structured_outputs` on its own.
+# process builds V1's SamplingParams from them with the same defaults), and these on their own.
+SENT_ON_THEIR_OWN = frozenset({"n", "max_tokens", "structured_outputs"})
 # How the answer is handed out, not what it is: the request's stream mode stands for output_kind.
-PRESENTATION_FIELDS = frozenset({"n", "max_tokens", "output_kind", "skip_clone", "flat_logprobs", "structured_outputs"})
+PRESENTATION_FIELDS = frozenset({"output_kind", "skip_clone", "flat_logprobs"})
 # Fields vLLM sets itself from others; the V1 engine process derives them again from what is sent.
 DERIVED_FIELDS = {
     "skip_reading_prefix_cache": lambda params: params.prompt_logprobs is not None
@@ -49,7 +49,7 @@ def sampling_parameters(params: SamplingParams, lora_name: str | None = None) ->
     values: dict[str, Any] = {"n": params.n, "max_tokens": params.max_tokens}
     values.update(changed_fields(params, _DEFAULTS))
     for name in _public_fields(params):
-        if name not in SENT_SAMPLING_FIELDS and name not in PRESENTATION_FIELDS:
+        if name not in SENT_SAMPLING_FIELDS and name not in SENT_ON_THEIR_OWN and name not in PRESENTATION_FIELDS:
             derived = DERIVED_FIELDS.get(name)
             if derived is not None and getattr(params, name) == derived(params):
                 continue

@@ -36,6 +36,11 @@ def option_values(argv: Sequence[str], name: str) -> list[str]:
     return values
 
 
+def local_address(address: str) -> str:
+    """Where a client on this host reaches a server bound to `address` (an any-address: its loopback)."""
+    return _ANY_ADDRESS.get(address, address.strip("[]"))
+
+
 def _last(argv: Sequence[str], name: str, default: str) -> str:
     values = option_values(argv, name)
     return values[-1] if values else default
@@ -66,7 +71,7 @@ def parse(argv: Sequence[str]) -> TritonCommand | None:
         address = _last(argv, "--http-address", "0.0.0.0")
         port = _as_float(_last(argv, "--http-port", str(TRITON_DEFAULT_HTTP_PORT)))
         if port is not None and port == int(port) and 0 < port < 65536:
-            endpoint = (_ANY_ADDRESS.get(address, address.strip("[]")), int(port))
+            endpoint = (local_address(address), int(port))
     return TritonCommand(
         exit_timeout=_as_float(_last(argv, "--exit-timeout-secs", str(TRITON_DEFAULT_EXIT_TIMEOUT))),
         http_endpoint=endpoint,
