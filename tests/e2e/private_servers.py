@@ -14,6 +14,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,9 @@ __all__ = [
     "REPO_ROOT",
     "SHIPPED_MODEL",
     "add_models",
+    "assert_the_drain_counted_the_streams_going",
     "copy_pipeline_stages",
+    "drain_starts",
     "labels_of",
     "loaded_into",
     "make_repository",
@@ -110,6 +113,38 @@ def ready_lines(server: ServerProcess, model: str) -> list[str]:
     """The backend's "model … ready" log lines of `model` on `server` (one per instance load)."""
     log = server.log_path.read_text(errors="replace")
     return [line for line in log.splitlines() if re.search(rf"model {re.escape(model)} \(.*?\) ready: ", line)]
+
+
+def drain_starts(server: ServerProcess, model: str) -> list[tuple[float, int]]:
+    """When `model`'s drains on `server` began (epoch seconds, from the log's local time to the
+    millisecond) and how many requests each counted in flight."""
+    pattern = re.compile(
+        rf"(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d{{3}}) \[triton_vllm_multistep\] vllm_multistep: "
+        rf"model {re.escape(model)}: .*?, with (\d+) request\(s\) in flight: new requests are refused"
+    )
+    log = server.log_path.read_text(errors="replace")
+    return [
+        (datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp(), int(count))
+        for stamp, count in pattern.findall(log)
+    ]
+
+
+def assert_the_drain_counted_the_streams_going(
+    server: ServerProcess, model: str, since: float, finals_ns: Iterable[int]
+) -> int:
+    """`model`'s one drain after `since` (epoch s) counted, in flight, the streams whose FINAL came after
+    it began, and at least one: the check of a drain on unload that holds on a host of any speed (a
+    stream can start seconds after another and end first). The stamps compare to about 0.5 s (the log's
+    milliseconds, the responses' way to the client). Returns the count."""
+    ((started, counted),) = [drain for drain in drain_starts(server, model) if drain[0] > since]
+    ended = [final / 1e9 for final in finals_ns]
+    assert counted >= 1, "the drain began after every stream had ended"
+    assert sum(end > started + 0.5 for end in ended) <= counted <= sum(end > started - 0.5 for end in ended), (
+        started,
+        counted,
+        ended,
+    )
+    return counted
 
 
 def copy_pipeline_stages(repository: Path, tokenizer: str = TINY_MODEL) -> None:

@@ -24,6 +24,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 from private_servers import (
+    assert_the_drain_counted_the_streams_going,
     copy_pipeline_stages,
     make_repository,
     metric,
@@ -383,6 +384,7 @@ def test_unload_and_reload_with_streams_in_flight(lifecycle_server) -> None:
     control.close()
     assert wait_for(lambda: len(stub_processes(server)) == 1, timeout=60)
     stubs_before = {p.pid for p in stub_processes(server)}
+    asked_at = time.time()
     streams = Streams(server, 4, LONG)
     streams.wait_streaming()
     client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -395,8 +397,10 @@ def test_unload_and_reload_with_streams_in_flight(lifecycle_server) -> None:
             assert isinstance(result, StreamResult), result
             assert result.finals == 1 and result.error is None, (result.finals, result.error)
             assert len(result.token_ids()) == LONG["max_tokens"]
+        finals = [result.final_ns for result in results.values() if isinstance(result, StreamResult)]
+        assert_the_drain_counted_the_streams_going(server, MODEL, asked_at, finals)
         log = server.log_tail(100)
-        assert "with 4 request(s) in flight: new requests are refused, these may finish for up to 25.0 s" in log
+        assert "these may finish for up to 25.0 s" in log
         assert "every request in flight finished while draining" in log
         assert wait_for(lambda: not model_ready(server, MODEL), timeout=60)
         assert wait_for(lambda: not stub_processes(server), timeout=60), "the unloaded model's stub is still running"
