@@ -71,6 +71,7 @@ V1_ENGINE = {"num_scheduler_steps": None, "enforce_eager": True}
 TOKENS = 24
 GREEDY = {"temperature": 0.0, "max_tokens": TOKENS, "ignore_eos": True}
 SEEDED = {"temperature": 0.8, "top_p": 0.9, "seed": 11, "max_tokens": TOKENS, "ignore_eos": True}
+SEVERAL = {**SEEDED, "n": 2}  # n completions: V1 samples each with a seed of its own (seed + index)
 PROMPTS = ((1, 5, 9, 12, 40), (3, 4, 5), (7, 8, 2, 2, 6, 100, 3))
 SMOLLM3 = "smollm3_v1"  # served on V1; transformers 4.51 (this environment's) cannot load it
 SMOLLM3_PROMPT_LIMIT = 24  # its config.pbtxt max_prompt_tokens
@@ -210,6 +211,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory, demo_model_paths: dict) 
             ids, text, _ = server.completion(STRUCTURED_PROMPT, structured, stream=False)
             answers[kind] = (ids, text)
         answers["prompt_logprobs"] = server.prompt_logprobs(PROMPTS[0], PROMPT_LOGPROBS)
+        several = vllm_serve.openai_choices(server.http_url, V1, PROMPTS[0], SEVERAL, stream=False)
+        assert vllm_serve.openai_choices(server.http_url, V1, PROMPTS[0], SEVERAL, stream=True) == several
+        answers["several"] = several
     return answers
 
 
@@ -393,6 +397,34 @@ def test_the_readmes_v1_model_answers_its_client_command_as_vllm_serve_does(v1_s
     # vLLM's compile cache as the served engine uses it on CPU (engine_v1/cpu_compile_cache.py): the same
     # compiled model, loaded from the cache the served model's start filled instead of compiled again.
     environment = {"VLLM_CPU_KVCACHE_SPACE": "1", AOT_COMPILE_ENV: "0"}
+    # SmolLM2 beside this module's V1 engines and OpenAI servers while the other test worker's servers
+    # run: once out of memory on this 24 GB host (the kernel killed SmolLM2's V1 worker). smollm3_v1 is
+    # not needed meanwhile: unloaded (its ~2.4 GB of V1 engine processes gone), loaded again after.
+    with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
+        client.unload_model(SMOLLM3)
+    assert wait_for(lambda: not engine_processes(v1_server, SMOLLM3, v1=True), 120)
+    try:
+        answer, chat_answer, done, chats = _readme_answers(v1_server, prompt, fields, log, environment)
+    finally:
+        with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
+            client.load_model(SMOLLM3)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == answer + "\n"
+    assert answer.strip()
+    # SmolLM2's chat template applied in the V1 environment: vllm serve's answer, whole and streamed per step.
+    (whole, _), (streamed, chunks) = chats
+    assert whole == streamed == chat_answer and "Paris" in chat_answer, (chats, chat_answer)
+    assert chunks > 1
+    # The unload completes: Triton waits for the stub's exit, which a kept request batch prevented.
+    unloaded = f"successfully unloaded '{README_MODEL}'"
+    assert wait_for(lambda: unloaded in v1_server.log_path.read_text(errors="replace"), 60), v1_server.log_tail()
+
+
+def _readme_answers(
+    v1_server: ServerProcess, prompt: str, fields: dict[str, Any], log: Path, environment: dict[str, str]
+) -> tuple[str, str, subprocess.CompletedProcess, list[tuple[str, int]]]:
+    """`vllm serve`'s completion and chat answers of the README's model, then the served model's: the
+    README's client command's run and the OpenAI API's chat answers (whole, streamed)."""
     with vllm_serve.serving(v1_python(), fields, README_MODEL, log, environment) as server:
         _, answer, _ = server.completion(prompt, {"max_tokens": 32, "temperature": 0.0}, stream=False)
         chat_answer, _ = openai_chat(server.http_url, README_MODEL, CHAT, CHAT_SAMPLING, stream=False)
@@ -414,16 +446,7 @@ def test_the_readmes_v1_model_answers_its_client_command_as_vllm_serve_does(v1_s
     finally:
         with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
             client.unload_model(README_MODEL)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout == answer + "\n"
-    assert answer.strip()
-    # SmolLM2's chat template applied in the V1 environment: vllm serve's answer, whole and streamed per step.
-    (whole, _), (streamed, chunks) = chats
-    assert whole == streamed == chat_answer and "Paris" in chat_answer, (chats, chat_answer)
-    assert chunks > 1
-    # The unload completes: Triton waits for the stub's exit, which a kept request batch prevented.
-    unloaded = f"successfully unloaded '{README_MODEL}'"
-    assert wait_for(lambda: unloaded in v1_server.log_path.read_text(errors="replace"), 60), v1_server.log_tail()
+    return answer, chat_answer, done, chats
 
 
 @pytest.mark.parametrize("kind", sorted(STRUCTURED))
@@ -739,6 +762,37 @@ def test_the_openai_api_serves_a_v1_model_with_vllm_serves_tokens_whole_and_one_
         assert (streamed_ids, streamed_text) == (whole_ids, whole_text) and chunks == TOKENS, (i, chunks)
 
 
+def completions_of(result: Any, n: int) -> list[tuple[list[int], str]]:
+    """Each completion's (token ids, text) of a KServe result, its responses' arrays split per completion."""
+    joined: list[tuple[list[int], str]] = [([], "")] * n
+    for response in result.data_responses:
+        counts, flat, start = response["num_output_tokens"].tolist(), response["output_ids"].tolist(), 0
+        assert len(counts) == n, counts  # every response answers all n (index = position)
+        for index, count in enumerate(counts):
+            ids, text = joined[index]
+            joined[index] = (ids + flat[start : start + count], text + response["text_output"][index].decode())
+            start += count
+    return joined
+
+
+def test_n_completions_on_v1_stream_all_n_each_step_and_equal_vllm_serves(
+    v1_server: ServerProcess, reference: dict[str, Any]
+) -> None:
+    """n > 1 on V1 (vLLM V1 streams each completion as an output of its own): over KServe each streamed
+    response answers all n, one token each per step; over the OpenAI API V1's chunks per choice; both,
+    whole and streamed, are `vllm serve`'s choices."""
+    several = reference["several"]
+    asked = {"input_ids": list(PROMPTS[0]), "sampling": SEVERAL, "return_num_output_tokens": True}
+    streamed = grpc_generate(v1_server.grpc_url, V1, stream=True, **asked)
+    assert streamed.error is None and streamed.finals == 1, streamed.error
+    assert completions_of(streamed, 2) == [(list(ids), text) for ids, text in several]
+    assert [r["num_output_tokens"].tolist() for r in streamed.data_responses] == [[1, 1]] * TOKENS
+    whole = grpc_generate(v1_server.grpc_url, V1, **asked)
+    assert whole.error is None and completions_of(whole, 2) == completions_of(streamed, 2)
+    for stream in (False, True):
+        assert vllm_serve.openai_choices(v1_server.openai_url, V1, PROMPTS[0], SEVERAL, stream) == several, stream
+
+
 def test_the_openai_api_on_a_v1_model_lists_it_and_refuses_in_v1s_words(
     v1_server: ServerProcess,
 ) -> None:
@@ -752,13 +806,6 @@ def test_the_openai_api_on_a_v1_model_lists_it_and_refuses_in_v1s_words(
     assert refused.status_code == 400 and "top_p must be in (0, 1]" in refused.text, refused.text
     unknown = requests.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=60)
     assert unknown.status_code == 404, unknown.text
-    # n > 1: whole answers are served; streamed ones are refused (a V1 model streams each completion's
-    # step as a response of its own, which does not say whose it is).
-    several = {"model": V1, "prompt": [1, 2, 3], "max_tokens": 4, "n": 2, "temperature": 1.0, "seed": 5}
-    whole = requests.post(f"{url}/v1/completions", json=several, timeout=60)
-    assert whole.status_code == 200 and len(whole.json()["choices"]) == 2, whole.text
-    streamed = requests.post(f"{url}/v1/completions", json={**several, "stream": True}, timeout=60)
-    assert streamed.status_code == 400 and "streamed n > 1" in streamed.text, streamed.text
 
 
 def test_a_v1_engine_core_that_dies_fails_its_requests_and_its_model_alone_and_the_probe_says_so(

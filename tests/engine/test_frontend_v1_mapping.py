@@ -43,6 +43,14 @@ found["completions"] = [(c.index, list(c.token_ids), c.text, c.finish_reason) fo
 found["logprob"] = [output.outputs[0].logprobs[0][7].logprob, output.outputs[0].logprobs[0][7].decoded_token]
 found["prompt_logprobs"] = [output.prompt_logprobs[0], output.prompt_logprobs[1][2].rank]
 found["finished"] = output.finished
+# Streamed n > 1: the parts V1's own engine would stream (new tokens, or a finish once).
+finish_sent = set()
+parts = [m.new_parts(output.outputs, finish_sent)]
+values.update(output_ids=[10], text_output=[b"d", b""], num_output_tokens=[1, 0], finish_reason=[b"None", b"length"])
+parts.append(m.new_parts(m.request_output("r", [1, 2], values, 2).outputs, finish_sent))
+values.update(output_ids=[], text_output=[b"", b""], num_output_tokens=[0, 0], finish_reason=[b"stop", b"length"])
+parts.append(m.new_parts(m.request_output("r", [1, 2], values, 2).outputs, finish_sent))
+found["streamed_parts"] = [[(c.index, list(c.token_ids), c.finish_reason) for c in step] for step in parts]
 print(json.dumps(found))
 """
 
@@ -82,3 +90,10 @@ def test_vllm_032s_sampling_params_become_a_v1_models_request_and_its_responses_
     assert found["completions"] == [[0, [7], "a", None], [1, [8, 9], "bc", "length"]]
     assert found["logprob"] == [-0.5, "a"] and found["prompt_logprobs"] == [None, 3]
     assert found["finished"] is False
+    # One with a token, one finishing; then the finished one's empty delta is left out; then the
+    # first's finish without tokens (once), the second's already sent.
+    assert found["streamed_parts"] == [
+        [[0, [7], None], [1, [8, 9], "length"]],
+        [[0, [10], None]],
+        [[0, [], "stop"]],
+    ]

@@ -38,6 +38,7 @@ from triton_vllm_multistep.engine.events import (
 from triton_vllm_multistep.engine.messages import Abort, Built, EngineSpec, Serve, Stop, Stopped, build_failure, sender
 from triton_vllm_multistep.engine.outputs import plain_outputs
 from triton_vllm_multistep.engine_v1 import cpu_async, cpu_compile_cache, cpu_lora, stats
+from triton_vllm_multistep.engine_v1.completions import CompletionFold
 from triton_vllm_multistep.engine_v1.sampling import UnsupportedOnV1, pooling_params, sampling_params
 from triton_vllm_multistep.interface import SERVED_TASKS
 
@@ -150,6 +151,7 @@ class EngineThread:
         self.commands: queue.Queue[Any] = queue.Queue()
         self.serve: Serve | None = None
         self.in_flight: set[str] = set()
+        self.fold = CompletionFold()
         self.stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vllm-v1-engine", daemon=True)
         self._next_state = 0.0
@@ -207,6 +209,7 @@ class EngineThread:
         elif isinstance(command, Abort):
             if command.request_id in self.in_flight:
                 self.in_flight.discard(command.request_id)
+                self.fold.forget(command.request_id)
                 self.engine.abort_request([command.request_id])
         elif isinstance(command, Serve):
             self.serve = command
@@ -235,6 +238,8 @@ class EngineThread:
             self.send(RequestFailed(request.request_id, str(error)))
             return
         self.in_flight.add(request.request_id)
+        if request.pooling is None:
+            self.fold.add(request.request_id, request.sampling)
 
     def _prompt(self, request: EngineRequest) -> dict[str, Any]:
         """The prompt as V1 takes it: a text prompt tokenized here, as V1's own input processing does
@@ -250,7 +255,7 @@ class EngineThread:
 
     def _step(self) -> None:
         started = time.perf_counter()
-        outputs = plain_outputs(self.engine.step())
+        outputs = self.fold.fold(plain_outputs(self.engine.step()))
         for output in outputs:
             if output.finished:
                 self.in_flight.discard(output.request_id)

@@ -23,7 +23,7 @@ from vllm.v1.engine.input_processor import InputProcessor
 
 from triton_vllm_multistep.frontend.triton_stream import ModelStreams, TritonModelState
 from triton_vllm_multistep.frontend_v1 import triton_requests
-from triton_vllm_multistep.frontend_v1.triton_requests import UnsupportedRequest
+from triton_vllm_multistep.frontend_v1.triton_requests import UnsupportedRequest, new_parts
 from triton_vllm_multistep.interface import NUM_OUTPUT_TOKENS
 
 
@@ -64,9 +64,6 @@ class TritonV1EngineClient(TritonModelState, EngineClient):
             raise UnsupportedRequest("only tokenized prompts reach this server's engine client")
         if prompt.get("multi_modal_data") or prompt.get("mm_kwargs"):
             raise UnsupportedRequest("images are not served for vllm_engine 'v1' models")
-        if sampling_params.n > 1 and sampling_params.output_kind == RequestOutputKind.DELTA:
-            # A V1 model streams each completion's step as a response of its own, without its index.
-            raise UnsupportedRequest("streamed n > 1 is not served for vllm_engine 'v1' models yet (whole answers are)")
         lora_name = self._adapters.get(lora_request.lora_name) if lora_request is not None else None
         prompt_ids = list(prompt["prompt_token_ids"])
         request = triton_requests.triton_request(prompt_ids, sampling_params, lora_name, priority)
@@ -76,11 +73,19 @@ class TritonV1EngineClient(TritonModelState, EngineClient):
     async def _stream(
         self, request_id: str, prompt_ids: list[int], request: Any, params: SamplingParams, prompt_text: str | None
     ) -> AsyncGenerator[RequestOutput, None]:
-        first = params.output_kind == RequestOutputKind.DELTA  # streamed answers echo the prompt's text
+        streamed = params.output_kind == RequestOutputKind.DELTA
+        first = streamed  # streamed answers echo the prompt's text
+        finish_sent: set[int] = set()
         async with aclosing(self._streams.responses(request_id, request)) as responses:
             async for values in responses:
                 if NUM_OUTPUT_TOKENS in values:  # a data response (the empty FINAL has none)
                     output = triton_requests.request_output(request_id, prompt_ids, values, params.n)
+                    if streamed and params.n > 1:
+                        # The model answers all n each step; V1's own engine streams only those with
+                        # something new (tokens, or their finish once), and its serving code chunks so.
+                        output.outputs = new_parts(output.outputs, finish_sent)
+                        if not output.outputs and not output.finished:
+                            continue
                     if first:
                         output.prompt = prompt_text
                         first = False

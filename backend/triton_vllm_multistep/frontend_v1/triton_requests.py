@@ -101,3 +101,16 @@ def request_output(
         outputs=outputs,
         finished=answer.finished,
     )
+
+
+def new_parts(completions: Sequence[Any], finish_sent: set[int]) -> list[Any]:
+    """Of one streamed step's n completions (the model answers all of them), those V1's own engine
+    would stream: with new tokens, or finishing (once; `finish_sent` remembers which did)."""
+    parts = []
+    for completion in completions:
+        finishing = completion.finish_reason is not None and completion.index not in finish_sent
+        if completion.token_ids or finishing:
+            parts.append(completion)
+        if finishing:
+            finish_sent.add(completion.index)
+    return parts

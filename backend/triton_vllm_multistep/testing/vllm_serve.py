@@ -140,6 +140,30 @@ def openai_completion(
     return ids, text, chunks
 
 
+def openai_choices(
+    base_url: str, model: str, prompt: Sequence[int], sampling: Mapping[str, Any], stream: bool
+) -> list[tuple[list[int], str]]:
+    """Each choice's (token ids, text) of one /v1/completions request with n > 1 (by its index), to an
+    OpenAI server of vLLM 0.10+ (`return_token_ids`), streamed chunks joined per choice."""
+    import requests
+
+    body = {"model": model, "prompt": list(prompt), **sampling, "stream": stream, "return_token_ids": True}
+    response = requests.post(f"{base_url}/v1/completions", json=body, stream=stream, timeout=300)
+    if response.status_code != 200:
+        raise RuntimeError(f"{base_url} answered {response.status_code}: {response.text[:2000]}")
+    if not stream:
+        ordered = sorted(response.json()["choices"], key=lambda choice: choice["index"])
+        return [(list(choice["token_ids"]), choice["text"]) for choice in ordered]
+    joined: dict[int, tuple[list[int], str]] = {}
+    for line in response.iter_lines():
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        for choice in json.loads(line[len(b"data: ") :])["choices"]:
+            ids, text = joined.get(choice["index"], ([], ""))
+            joined[choice["index"]] = (ids + (choice.get("token_ids") or []), text + (choice.get("text") or ""))
+    return [joined[index] for index in sorted(joined)]
+
+
 def openai_chat(
     base_url: str, model: str, messages: Sequence[Mapping[str, str]], sampling: Mapping[str, Any], stream: bool
 ) -> tuple[str, int]:
