@@ -705,6 +705,8 @@ def test_unloading_a_v1_model_lets_its_streams_in_flight_finish_then_ends_its_en
     assert_the_drain_counted_the_streams_going(v1_server, V1_LORA, asked_at, [r.final_ns for r in results])
     assert "every request in flight finished while draining" in v1_server.log_path.read_text(errors="replace")
     assert wait_for(lambda: not model_ready(v1_server, V1_LORA), 60)
+    # The OpenAI API serves it no longer: its health is the 503 vLLM answers for an engine gone.
+    assert requests.get(f"{v1_server.openai_url}/health", timeout=30).status_code == 503
     for process in [engine, *core]:
         assert wait_for(lambda p=process: not p.is_running() or p.status() == "zombie", 60), process
 
@@ -779,14 +781,17 @@ def test_n_completions_on_v1_stream_all_n_each_step_and_equal_vllm_serves(
     v1_server: ServerProcess, reference: dict[str, Any]
 ) -> None:
     """n > 1 on V1 (vLLM V1 streams each completion as an output of its own): over KServe each streamed
-    response answers all n, one token each per step; over the OpenAI API V1's chunks per choice; both,
+    response answers all n, at most one token each per step; over the OpenAI API V1's chunks per choice; both,
     whole and streamed, are `vllm serve`'s choices."""
     several = reference["several"]
     asked = {"input_ids": list(PROMPTS[0]), "sampling": SEVERAL, "return_num_output_tokens": True}
     streamed = grpc_generate(v1_server.grpc_url, V1, stream=True, **asked)
     assert streamed.error is None and streamed.finals == 1, streamed.error
     assert completions_of(streamed, 2) == [(list(ids), text) for ids, text in several]
-    assert [r["num_output_tokens"].tolist() for r in streamed.data_responses] == [[1, 1]] * TOKENS
+    # One token per completion per step at most (V1 may schedule the second completion a step later).
+    counts = [r["num_output_tokens"].tolist() for r in streamed.data_responses]
+    assert all(max(step) <= 1 for step in counts), counts
+    assert [sum(column) for column in zip(*counts, strict=True)] == [TOKENS] * 2
     whole = grpc_generate(v1_server.grpc_url, V1, **asked)
     assert whole.error is None and completions_of(whole, 2) == completions_of(streamed, 2)
     for stream in (False, True):

@@ -19,8 +19,10 @@ from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.renderers import renderer_from_config
 from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.engine.input_processor import InputProcessor
 
+from triton_vllm_multistep.frontend.errors import EngineUnavailable
 from triton_vllm_multistep.frontend.triton_stream import ModelStreams, TritonModelState
 from triton_vllm_multistep.frontend_v1 import triton_requests
 from triton_vllm_multistep.frontend_v1.triton_requests import UnsupportedRequest, new_parts
@@ -95,7 +97,11 @@ class TritonV1EngineClient(TritonModelState, EngineClient):
         raise UnsupportedRequest("embedding models on vllm_engine 'v1' are served over KServe, not this API")
 
     async def check_health(self) -> None:
-        await self._streams.check_health()
+        try:
+            await self._streams.check_health()
+        except EngineUnavailable as error:
+            # vLLM 0.32's /health answers 503 for its EngineDeadError only (anything else: a 500).
+            raise EngineDeadError(str(error)) from error
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         if lora_request.lora_name not in self._adapters:
