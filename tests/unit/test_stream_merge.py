@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import fake_pb_utils as pb
 
+from triton_vllm_multistep.engine.deltas import merge_deltas
 from triton_vllm_multistep.engine.events import Completion, EngineDied, EngineOutput, StepOutputs, TokenLogprob
 from triton_vllm_multistep.stub.codec import GenerationRequest
 from triton_vllm_multistep.stub.responder import EndRequests, RequestState, Responder
-from triton_vllm_multistep.stub.stream_merge import AdaptiveInterval, merge_deltas
+from triton_vllm_multistep.stub.stream_merge import AdaptiveInterval
 from triton_vllm_multistep.testing.polling import wait_for
 
 

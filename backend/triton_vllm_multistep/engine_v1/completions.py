@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from triton_vllm_multistep.engine.deltas import merge_deltas
 from triton_vllm_multistep.engine.events import Completion, EngineOutput
 
 
@@ -52,7 +53,7 @@ class CompletionFold:
                 order.append(output)
                 continue
             earlier = merged.get(output.request_id)
-            merged[output.request_id] = output if earlier is None else _union(earlier, output)
+            merged[output.request_id] = output if earlier is None else merge_deltas(earlier, output)
             if earlier is None:
                 order.append(output.request_id)
         return [self._complete(merged[item]) if isinstance(item, str) else item for item in order]
@@ -82,29 +83,3 @@ class CompletionFold:
             return output._replace(outputs=completions, prompt_tokens=None, prompt_logprobs=None)
         streamed.prompt_sent = True
         return output._replace(outputs=completions)
-
-
-def _union(earlier: EngineOutput, later: EngineOutput) -> EngineOutput:
-    """Two outputs of one request in one step (different completions: V1 sends each once a step)."""
-    by_index = {completion.index: completion for completion in earlier.outputs}
-    for completion in later.outputs:
-        before = by_index.get(completion.index)
-        by_index[completion.index] = completion if before is None else _concatenated(before, completion)
-    return EngineOutput(
-        later.request_id,
-        [by_index[index] for index in sorted(by_index)],
-        earlier.finished or later.finished,
-        earlier.prompt_tokens if earlier.prompt_tokens is not None else later.prompt_tokens,
-        earlier.first_token_time if earlier.first_token_time is not None else later.first_token_time,
-        later.times if later.times is not None else earlier.times,
-        earlier.prompt_logprobs if earlier.prompt_logprobs is not None else later.prompt_logprobs,
-    )
-
-
-def _concatenated(earlier: Completion, later: Completion) -> Completion:
-    logprobs = None
-    if earlier.logprobs is not None or later.logprobs is not None:
-        logprobs = [*(earlier.logprobs or []), *(later.logprobs or [])]
-    return later._replace(
-        text=earlier.text + later.text, token_ids=[*earlier.token_ids, *later.token_ids], logprobs=logprobs
-    )

@@ -15,10 +15,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from triton_vllm_multistep.engine.deltas import merge_deltas
 from triton_vllm_multistep.engine.events import EngineDied, EngineEvent, EngineOutput, RequestFailed, StepOutputs
 from triton_vllm_multistep.lifecycle.protocol import ENSEMBLE_CATCH_UP_SECONDS
 from triton_vllm_multistep.stub import codec, triton_io
-from triton_vllm_multistep.stub.stream_merge import AdaptiveInterval, merge_deltas
+from triton_vllm_multistep.stub.stream_merge import AdaptiveInterval
 
 logger = logging.getLogger(__name__)
 CANCEL_SWEEP_SECONDS = 0.05
