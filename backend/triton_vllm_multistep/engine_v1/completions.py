@@ -11,7 +11,7 @@ answers (FINAL_ONLY) come as one output with all n already: passed on as they ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from triton_vllm_multistep.engine.deltas import merge_deltas
 from triton_vllm_multistep.engine.events import Completion, EngineOutput
@@ -19,16 +19,16 @@ from triton_vllm_multistep.engine.events import Completion, EngineOutput
 
 @dataclass
 class _Streamed:
-    completions: int
-    logprobs: bool  # asked for: an empty delta carries [] (no tokens, no logprobs), not None
-    last: dict[int, Completion] = field(default_factory=dict)
+    # Per completion, what it is in a step with nothing new for it: an empty delta keeping its last
+    # finish and stop reason and cumulative logprob ([] logprobs when asked for, else None).
+    idle: list[Completion]
     # Each completion's first output carries the prompt's length (and prompt logprobs): the stub reads
     # them in the request's first output only.
     prompt_sent: bool = False
 
 
 class CompletionFold:
-    """Per streamed request with n > 1: its completions' last state, and each step's outputs folded."""
+    """Per streamed request with n > 1: its completions' idle deltas, and each step's outputs folded."""
 
     def __init__(self) -> None:
         self._streamed: dict[str, _Streamed] = {}
@@ -37,46 +37,30 @@ class CompletionFold:
         """Remember a request taken in (its plain sampling fields) if its outputs need folding."""
         completions = sampling.get("n") or 1
         if completions > 1 and sampling.get("output_kind") == "DELTA":
-            self._streamed[request_id] = _Streamed(completions, sampling.get("logprobs") is not None)
+            logprobs = [] if sampling.get("logprobs") is not None else None
+            self._streamed[request_id] = _Streamed([Completion(i, "", [], None, logprobs) for i in range(completions)])
 
     def forget(self, request_id: str) -> None:
         self._streamed.pop(request_id, None)
 
     def fold(self, outputs: list[EngineOutput]) -> list[EngineOutput]:
-        """One step's outputs with one per request (each folded request where its first output was)."""
+        """One step's outputs with one per request, in the order of each request's first output."""
         if not self._streamed:
             return outputs
         merged: dict[str, EngineOutput] = {}
-        order: list[EngineOutput | str] = []
         for output in outputs:
-            if output.request_id not in self._streamed:
-                order.append(output)
-                continue
             earlier = merged.get(output.request_id)
             merged[output.request_id] = output if earlier is None else merge_deltas(earlier, output)
-            if earlier is None:
-                order.append(output.request_id)
-        return [self._complete(merged[item]) if isinstance(item, str) else item for item in order]
+        return [self._complete(output) if output.request_id in self._streamed else output for output in merged.values()]
 
     def _complete(self, output: EngineOutput) -> EngineOutput:
         streamed = self._streamed[output.request_id]
+        for completion in output.outputs:
+            streamed.idle[completion.index] = completion._replace(
+                text="", token_ids=[], logprobs=streamed.idle[completion.index].logprobs
+            )
         new = {completion.index: completion for completion in output.outputs}
-        completions = []
-        for index in range(streamed.completions):
-            completion = new.get(index)
-            if completion is None:
-                last = streamed.last.get(index)
-                completion = Completion(
-                    index,
-                    "",
-                    [],
-                    None if last is None else last.cumulative_logprob,
-                    [] if streamed.logprobs else None,
-                    None if last is None else last.finish_reason,
-                    None if last is None else last.stop_reason,
-                )
-            streamed.last[index] = completion
-            completions.append(completion)
+        completions = [new.get(index, idle) for index, idle in enumerate(streamed.idle)]
         if output.finished:
             self.forget(output.request_id)
         if streamed.prompt_sent:
