@@ -156,8 +156,11 @@ def v1_server(
     (repository / V1_BIASED_LORA / "1" / "multi_lora.json").write_text(json.dumps({"biased": "adapters/biased"}))
     copy_model(SHIPPED_MODEL, repository / V1_IMAGES, {**TINY_ENGINE, **V1_ENGINE, "model": "demo://tiny-llava"},
                {"vllm_engine": "v1"})  # fmt: skip
-    # Four 128-token KV blocks (three usable): eight streams overfill them (the router metrics' test loads it).
-    small_cache = {**V1_ENGINE, "max_model_len": 384, "num_gpu_blocks_override": 4}  # one block is V1's null block
+    # Eight 128-token KV blocks (seven usable: one is V1's null block): eight streams of three blocks each
+    # overfill them for the whole run, so that any scrape during it sees several running and some
+    # waiting (the router metrics' test loads it; with three usable blocks the run alternated between
+    # one and two running, and a loaded CI host's scrapes, seconds apart, saw only one).
+    small_cache = {**V1_ENGINE, "max_model_len": 384, "num_gpu_blocks_override": 8}
     copy_model(SHIPPED_MODEL, repository / V1_SMALL_CACHE, {**TINY_ENGINE, **small_cache}, {"vllm_engine": "v1"})
     # The model's whole length (2,048 positions): the priority test holds one long request in flight.
     priority = {**V1_ENGINE, "scheduling_policy": "priority", "max_num_seqs": 1, "max_model_len": 2048}
@@ -573,10 +576,10 @@ def test_prefix_caching_on_v1_reuses_a_shared_prompt_and_gives_the_same_tokens(v
 
 
 def test_a_router_sees_a_v1_models_batch_fill_queue_and_preempt_with_vllms_metrics(v1_server: ServerProcess) -> None:
-    """The gateway inference extension's view of a V1 model whose four KV blocks eight streams overfill
+    """The gateway inference extension's view of a V1 model whose eight KV blocks eight streams overfill
     (tests/e2e/test_metrics.py has the multi-step engine's): running, waiting, the KV cache's use, the
     cache config; after: V1's own preemption and per-step token counts, each request's four phases."""
-    streams, tokens = 8, 200
+    streams, tokens = 8, 300
     with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
         client.load_model(V1_SMALL_CACHE)
     try:
@@ -597,7 +600,7 @@ def test_a_router_sees_a_v1_models_batch_fill_queue_and_preempt_with_vllms_metri
         with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
             client.unload_model(V1_SMALL_CACHE)
     assert [(r.error, len(r.token_ids())) for r in view.result] == [(None, tokens)] * streams
-    assert view.cache_config["num_gpu_blocks"] == "4" and view.cache_config["block_size"] == "128", view.cache_config
+    assert view.cache_config["num_gpu_blocks"] == "8" and view.cache_config["block_size"] == "128", view.cache_config
     view.assert_filled_queued_and_preempted(streams, streams * (3 + tokens))
 
 
