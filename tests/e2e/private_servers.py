@@ -115,6 +115,11 @@ def ready_lines(server: ServerProcess, model: str) -> list[str]:
     return [line for line in log.splitlines() if re.search(rf"model {re.escape(model)} \(.*?\) ready: ", line)]
 
 
+def unloads(server: ServerProcess, model: str) -> int:
+    """How often `server`'s log says `model` finished unloading (Triton's line, once its stubs ended)."""
+    return server.log_path.read_text(errors="replace").count(f"successfully unloaded '{model}'")
+
+
 def drain_starts(server: ServerProcess, model: str) -> list[tuple[float, int]]:
     """When `model`'s drains on `server` began (epoch seconds, from the log's local time to the
     millisecond) and how many requests each counted in flight."""

@@ -29,7 +29,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 import yaml
-from private_servers import make_repository, model_ready, scrape, stub_processes, wait_for
+from private_servers import make_repository, model_ready, scrape, stub_processes, unloads, wait_for
 from triton_clients import StreamResult, grpc_generate
 
 from triton_vllm_multistep.host import launcher
@@ -198,11 +198,6 @@ def test_the_hpa_series_is_on_the_metrics_endpoint_with_the_labels_the_adapter_r
     assert checked and {s.get("model") for s in series} == {MODEL}
 
 
-def _unloads(pod: Pod) -> int:
-    """How often the server's log says the model finished unloading."""
-    return pod.server.log_path.read_text(errors="replace").count(f"successfully unloaded '{MODEL}'")
-
-
 def test_engine_failure_fails_the_readiness_and_liveness_probes_within_their_period(pod: Pod) -> None:
     fault_file: Path = pod.fault_file  # type: ignore[attr-defined]
     results: list[Any] = []
@@ -210,7 +205,7 @@ def test_engine_failure_fails_the_readiness_and_liveness_probes_within_their_per
     thread = threading.Thread(target=_stream, args=(pod, LONG, results, started), daemon=True)
     thread.start()
     assert started.wait(60)
-    unloads_before = _unloads(pod)
+    unloads_before = unloads(pod.server, MODEL)
     fault_file.touch()
     try:
         thread.join(60)
@@ -226,7 +221,7 @@ def test_engine_failure_fails_the_readiness_and_liveness_probes_within_their_per
     # unload is done (not ready comes first: a load while the old stub still ended once aborted
     # tritonserver 2.51 with boost::interprocess::lock_exception, a fresh-clone run here).
     assert wait_for(lambda: not model_ready(pod.server, MODEL), timeout=60)
-    assert wait_for(lambda: _unloads(pod) > unloads_before, timeout=60)
+    assert wait_for(lambda: unloads(pod.server, MODEL) > unloads_before, timeout=60)
     client = grpcclient.InferenceServerClient(pod.server.grpc_url)
     try:
         client.load_model(MODEL)

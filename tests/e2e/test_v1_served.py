@@ -47,6 +47,7 @@ from private_servers import (
     scrape,
     serving,
     stub_without_torch,
+    unloads,
     wait_for,
     watch_as_a_router,
 )
@@ -419,8 +420,7 @@ def test_the_readmes_v1_model_answers_its_client_command_as_vllm_serve_does(v1_s
     assert whole == streamed == chat_answer and "Paris" in chat_answer, (chats, chat_answer)
     assert chunks > 1
     # The unload completes: Triton waits for the stub's exit, which a kept request batch prevented.
-    unloaded = f"successfully unloaded '{README_MODEL}'"
-    assert wait_for(lambda: unloaded in v1_server.log_path.read_text(errors="replace"), 60), v1_server.log_tail()
+    assert wait_for(lambda: unloads(v1_server, README_MODEL) >= 1, 60), v1_server.log_tail()
 
 
 def _readme_answers(

@@ -111,12 +111,11 @@ class VllmServe:
         return self.process.returncode
 
 
-def openai_completion(
+def _completion_choices(
     base_url: str, model: str, prompt: str | Sequence[int], sampling: Mapping[str, Any], stream: bool
-) -> tuple[list[int], str, int]:
-    """(token ids, text, responses carrying tokens) of one /v1/completions request to an OpenAI server
-    of vLLM 0.10+ (`return_token_ids`: vLLM serve of the V1 environment, or this backend's API for a V1
-    model): the prompt as text or token ids, `sampling` as request fields (vLLM's names)."""
+) -> list[tuple[int, list[int], str]]:
+    """Every choice or streamed choice chunk, (index, token ids, text) in the order received, of one
+    /v1/completions request to an OpenAI server of vLLM 0.10+ (`return_token_ids`)."""
     import requests
 
     body = {"model": model, "prompt": prompt if isinstance(prompt, str) else list(prompt)}
@@ -124,20 +123,30 @@ def openai_completion(
     response = requests.post(f"{base_url}/v1/completions", json=body, stream=stream, timeout=300)
     if response.status_code != 200:
         raise RuntimeError(f"{base_url} answered {response.status_code}: {response.text[:2000]}")
+    if stream:
+        chunks = [
+            choice
+            for line in response.iter_lines()
+            if line.startswith(b"data: ") and line != b"data: [DONE]"
+            for choice in json.loads(line[len(b"data: ") :])["choices"]
+        ]
+    else:
+        chunks = response.json()["choices"]
+    return [(choice["index"], list(choice.get("token_ids") or []), choice.get("text") or "") for choice in chunks]
+
+
+def openai_completion(
+    base_url: str, model: str, prompt: str | Sequence[int], sampling: Mapping[str, Any], stream: bool
+) -> tuple[list[int], str, int]:
+    """(token ids, text, responses carrying tokens) of one /v1/completions request to an OpenAI server
+    of vLLM 0.10+ (`return_token_ids`: vLLM serve of the V1 environment, or this backend's API for a V1
+    model): the prompt as text or token ids, `sampling` as request fields (vLLM's names)."""
+    chunks = _completion_choices(base_url, model, prompt, sampling, stream)
     if not stream:
-        (choice,) = response.json()["choices"]
-        return list(choice["token_ids"]), choice["text"], 1
-    ids: list[int] = []
-    text, chunks = "", 0
-    for line in response.iter_lines():
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        for choice in json.loads(line[len(b"data: ") :])["choices"]:
-            new_ids = choice.get("token_ids") or []
-            ids += new_ids
-            text += choice.get("text") or ""
-            chunks += bool(new_ids)
-    return ids, text, chunks
+        ((_, ids, text),) = chunks
+        return ids, text, 1
+    ids: list[int] = [token for _, new_ids, _ in chunks for token in new_ids]
+    return ids, "".join(text for _, _, text in chunks), sum(bool(new_ids) for _, new_ids, _ in chunks)
 
 
 def openai_choices(
@@ -145,22 +154,10 @@ def openai_choices(
 ) -> list[tuple[list[int], str]]:
     """Each choice's (token ids, text) of one /v1/completions request with n > 1 (by its index), to an
     OpenAI server of vLLM 0.10+ (`return_token_ids`), streamed chunks joined per choice."""
-    import requests
-
-    body = {"model": model, "prompt": list(prompt), **sampling, "stream": stream, "return_token_ids": True}
-    response = requests.post(f"{base_url}/v1/completions", json=body, stream=stream, timeout=300)
-    if response.status_code != 200:
-        raise RuntimeError(f"{base_url} answered {response.status_code}: {response.text[:2000]}")
-    if not stream:
-        ordered = sorted(response.json()["choices"], key=lambda choice: choice["index"])
-        return [(list(choice["token_ids"]), choice["text"]) for choice in ordered]
     joined: dict[int, tuple[list[int], str]] = {}
-    for line in response.iter_lines():
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        for choice in json.loads(line[len(b"data: ") :])["choices"]:
-            ids, text = joined.get(choice["index"], ([], ""))
-            joined[choice["index"]] = (ids + (choice.get("token_ids") or []), text + (choice.get("text") or ""))
+    for index, new_ids, text in _completion_choices(base_url, model, prompt, sampling, stream):
+        ids, so_far = joined.get(index, ([], ""))
+        joined[index] = (ids + new_ids, so_far + text)
     return [joined[index] for index in sorted(joined)]
 
 
