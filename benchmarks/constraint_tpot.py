@@ -204,8 +204,9 @@ def child_main(steps: int, model: str, backend: str, max_model_len: int, torch_t
     from vllm import EngineArgs
 
     from triton_vllm_multistep.demo import models
+    from triton_vllm_multistep.engine.cpu_placement import thread_choice_of_user
     from triton_vllm_multistep.engine.events import EngineRequest
-    from triton_vllm_multistep.engine.factory import build_engine, serving_torch_threads, thread_choice_of_user
+    from triton_vllm_multistep.engine.factory import build_engine, serving_torch_threads
     from triton_vllm_multistep.engine.loop import model_parameters
 
     probe = Probe()

@@ -196,7 +196,8 @@ def measure_model(model: str, args: argparse.Namespace, adapter_dirs: dict[str, 
     import torch
 
     from triton_vllm_multistep.demo import models as demo_models
-    from triton_vllm_multistep.engine.factory import serving_torch_threads, thread_choice_of_user
+    from triton_vllm_multistep.engine.cpu_placement import thread_choice_of_user
+    from triton_vllm_multistep.engine.factory import serving_torch_threads
     from triton_vllm_multistep.engine.loop import model_parameters
 
     user_threads = thread_choice_of_user()

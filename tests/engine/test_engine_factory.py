@@ -18,6 +18,7 @@ from vllm import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 
 from triton_vllm_multistep.demo import models as demo_models
+from triton_vllm_multistep.engine import cpu_placement
 from triton_vllm_multistep.engine import factory as engine_factory
 from triton_vllm_multistep.engine.cpu_multistep import WORKER_QUALNAME, CPUMultiStepEngine
 from triton_vllm_multistep.engine.factory import (
@@ -177,7 +178,7 @@ def test_the_users_choice_is_read_before_the_build_sets_omp_num_threads(demo_pat
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(4)))
-    before_build = engine_factory.thread_choice_of_user()
+    before_build = cpu_placement.thread_choice_of_user()
     cpu_multistep_config(_args(demo_path), stream_mode="step")
     assert os.environ.get("OMP_NUM_THREADS")  # what vLLM did
     assert engine_factory.serving_torch_threads(5_000_000) is None  # the environment alone misleads

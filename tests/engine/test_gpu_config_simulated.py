@@ -252,3 +252,32 @@ def test_engine_cpus_leaves_the_users_thread_count_alone_on_cuda_only() -> None:
     with pytest.raises(ConfigError, match="but OMP_NUM_THREADS=64"):
         instance.place_engine(cpus, one_instance, user_threads, "llm", engine_on_cpu=True)
     assert set(cpu_placement.thread_cpus(os.getpid()).values()) == {cpus}
+
+
+def test_engine_cpus_on_v1_leaves_the_users_thread_count_alone_on_gpu_hosts_only(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The V1 stub's branch of the same decision (vLLM 0.32 cannot be imported there: the host's GPU
+    device nodes decide, stub/device.py): with /dev showing an NVIDIA GPU the user's OMP_NUM_THREADS
+    stands; without, it is a load error naming both, as vLLM's CPU worker would bind one thread per
+    engine_cpus CPU whatever it says."""
+    import functools
+
+    from triton_vllm_multistep.engine import cpu_placement
+    from triton_vllm_multistep.stub import device, instance
+
+    cpus = cpu_placement.allowed_cpus()
+    one_instance = {"instance_group": [{"kind": "KIND_MODEL", "count": 1}]}
+    monkeypatch.setenv("OMP_NUM_THREADS", "64")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("TRITON_VLLM_MULTISTEP_DEVICE", raising=False)
+    gpu_dev = tmp_path / "dev"
+    gpu_dev.mkdir()
+    (gpu_dev / "nvidia0").touch()
+    (gpu_dev / "nvidiactl").touch()  # not a GPU
+    monkeypatch.setattr(instance, "gpu_count", functools.partial(device.gpu_count, dev=gpu_dev))
+    instance.place_v1_engine(cpus, one_instance, "llm_v1")
+    monkeypatch.setattr(instance, "gpu_count", functools.partial(device.gpu_count, dev=tmp_path))
+    with pytest.raises(ConfigError, match="but OMP_NUM_THREADS=64 in the server's environment"):
+        instance.place_v1_engine(cpus, one_instance, "llm_v1")
+    assert set(cpu_placement.thread_cpus(os.getpid()).values()) == {cpus}

@@ -127,8 +127,9 @@ def smoke_loop(build: Callable[[], Any], user_threads: dict[str, str | None] | N
     """An EngineLoop building its engine with `build`, running it with the served engine's torch thread
     count (engine/factory.serving_torch_threads, as engine/loop.serving_loop applies it: on a CPU host
     all cores but one for a small model; torch's own count on GPU hosts or when the user chose one in
-    `user_threads`, what factory.thread_choice_of_user() read before any engine was built here)."""
-    from triton_vllm_multistep.engine.factory import serving_torch_threads, thread_choice_of_user
+    `user_threads`, what cpu_placement.thread_choice_of_user() read before any engine was built here)."""
+    from triton_vllm_multistep.engine.cpu_placement import thread_choice_of_user
+    from triton_vllm_multistep.engine.factory import serving_torch_threads
     from triton_vllm_multistep.engine.loop import EngineLoop, model_parameters
 
     chosen = thread_choice_of_user() if user_threads is None else user_threads

@@ -63,7 +63,7 @@ def run_smoke(
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         raise ValueError(f"unknown smoke section(s) {unknown}: choose from {SECTIONS}")
-    from triton_vllm_multistep.engine.factory import thread_choice_of_user
+    from triton_vllm_multistep.engine.cpu_placement import thread_choice_of_user
 
     report = SmokeReport()
     started = time.perf_counter()

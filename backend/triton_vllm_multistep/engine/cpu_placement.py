@@ -21,6 +21,14 @@ from triton_vllm_multistep.settings.cpus import CpuListError, allowed_cpus, cpu_
 
 # The argument by which an engine process is told it keeps the CPUs it inherited.
 ALL_CPUS = "all"
+# The environment variables by which a user chooses the engine's threads (theirs always win).
+THREAD_ENVIRONMENT = ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")
+
+
+def thread_choice_of_user() -> dict[str, str | None]:
+    """The user's thread settings, read before the engine is built: vLLM's CPU platform sets
+    OMP_NUM_THREADS itself while it builds the config, after which its value says nothing of the user."""
+    return {name: os.environ.get(name) for name in THREAD_ENVIRONMENT}
 
 
 def placement_refusal(cpus: tuple[int, ...]) -> str | None:
@@ -48,7 +56,7 @@ def check_engine_cpus(
     cpus: tuple[int, ...], user_threads: Mapping[str, str | None], threads_bound: bool = True
 ) -> None:
     """Raise CpuListError when `cpus` cannot be the engine's: CPUs this server may not run on, or a
-    thread setting of the user's (factory.thread_choice_of_user) that says otherwise where the
+    thread setting of the user's (thread_choice_of_user) that says otherwise where the
     engine's torch threads are bound to `cpus` (`threads_bound`: vLLM's CPU worker; GPU workers
     ignore VLLM_CPU_OMP_THREADS_BIND, so there the user's thread settings stand)."""
     refusal = placement_refusal(cpus)

@@ -117,16 +117,6 @@ def preload_model_classes(engine_args: EngineArgs) -> list[str]:
 FORWARD_BOUND_PARAMETERS = 30_000_000
 
 
-# The environment variables by which a user chooses the engine's threads (theirs always win).
-THREAD_ENVIRONMENT = ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")
-
-
-def thread_choice_of_user() -> dict[str, str | None]:
-    """The user's thread settings, read before the engine is built: vLLM's CPU platform sets
-    OMP_NUM_THREADS itself while it builds the config, after which its value says nothing of the user."""
-    return {name: os.environ.get(name) for name in THREAD_ENVIRONMENT}
-
-
 def serving_torch_threads(
     model_parameters: int | None = None, environment: Mapping[str, str | None] | None = None
 ) -> int | None:
@@ -139,7 +129,7 @@ def serving_torch_threads(
     dominant) all cores but one decode faster than all cores (measured per step and per window,
     1 to 64 streams; docs/performance.md). A model of FORWARD_BOUND_PARAMETERS or more is
     compute-bound and gets every core. None when the user chose a thread count (OMP_NUM_THREADS,
-    VLLM_CPU_OMP_THREADS_BIND: theirs wins; `environment` is what thread_choice_of_user() read
+    VLLM_CPU_OMP_THREADS_BIND: theirs wins; `environment` is what cpu_placement.thread_choice_of_user() read
     before the build, os.environ if not given), on GPU hosts and on one core.
     """
     from vllm.platforms import current_platform

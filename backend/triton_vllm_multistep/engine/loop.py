@@ -494,7 +494,7 @@ def serving_loop(
     in its thread, warms it up there (a setting that would fail the first request fails the load),
     loads the model's LoRA `adapters` ((name, lora_int_id, path)) once (a bad one fails the load) and
     applies the serving thread policy unless the user chose (`user_threads`, read before the build
-    by factory.thread_choice_of_user)."""
+    by cpu_placement.thread_choice_of_user)."""
     return EngineLoop(
         lambda: preload_adapters(warmed_up(build_engine(engine_args, stream_mode=stream_mode), engine_args), adapters),
         lambda engine: serving_torch_threads(model_parameters(engine), user_threads),

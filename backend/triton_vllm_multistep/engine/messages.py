@@ -27,7 +27,7 @@ class EngineSpec:
 
     engine_args: dict[str, Any]  # EngineArgs fields
     stream_mode: str
-    user_threads: dict[str, str | None] = field(default_factory=dict)  # factory.thread_choice_of_user()
+    user_threads: dict[str, str | None] = field(default_factory=dict)  # cpu_placement.thread_choice_of_user()
     use_ipex: bool = True
     cpus: tuple[int, ...] = ()  # config.pbtxt engine_cpus; empty: the CPUs it inherits
     # multi_lora.json's adapters as (name, lora_int_id, path), loaded once at start (warmup.preload_adapters)

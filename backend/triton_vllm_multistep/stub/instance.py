@@ -146,6 +146,15 @@ def place_engine(
         )
 
 
+def place_v1_engine(cpus: tuple[int, ...], model_config: dict[str, Any], model_name: str) -> None:
+    """place_engine for a V1 model: vLLM 0.32 is not importable here, so a host without GPUs is taken
+    for its CPU platform (stub/device.py), whose worker binds its torch threads to `cpus` (the
+    user's OMP_NUM_THREADS or VLLM_CPU_OMP_THREADS_BIND then disagree with engine_cpus: a load error
+    naming both); on a GPU host the user's thread settings stand."""
+    on_cpu = gpu_count() == 0
+    place_engine(cpus, model_config, cpu_placement.thread_choice_of_user(), model_name, engine_on_cpu=on_cpu)
+
+
 def _switch_ipex(settings: BackendSettings) -> None:
     """config.pbtxt `use_ipex` false: IPEX made unimportable before the first torch or vLLM import."""
     if not settings.use_ipex:
@@ -202,11 +211,13 @@ class ModelServer:
             assert engine_process is not None  # a V1 model's engine always has a process (or the load failed)
             return self._start_v1_engine(engine_process)
         try:
-            from triton_vllm_multistep.engine.factory import EngineBuildError, thread_choice_of_user
+            from triton_vllm_multistep.engine.factory import EngineBuildError
 
             values = engine_values(model.engine_args)  # checked against vLLM's fields (imports vLLM)
             built_args = to_engine_args(values)
-            user_threads = thread_choice_of_user()  # before the build: vLLM sets OMP_NUM_THREADS during it
+            user_threads = (
+                cpu_placement.thread_choice_of_user()
+            )  # before the build: vLLM sets OMP_NUM_THREADS during it
             if settings.engine_cpus:
                 from vllm.platforms import current_platform
 
@@ -238,10 +249,7 @@ class ModelServer:
         it); the engine process tokenizes text prompts and detokenizes each step."""
         model, settings = self.model_settings, self.settings
         if settings.engine_cpus:
-            # vLLM 0.32 is not importable here: a host without GPUs is its CPU platform (stub/device.py).
-            place_engine(
-                settings.engine_cpus, dict(model.model_config), {}, self.model_name, engine_on_cpu=gpu_count() == 0
-            )
+            place_v1_engine(settings.engine_cpus, dict(model.model_config), self.model_name)
         engine_process.spec = EngineSpec(
             dict(model.engine_args),
             "step",
