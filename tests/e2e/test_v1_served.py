@@ -37,6 +37,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from private_servers import (
     REPO_ROOT,
+    add_v1_pipeline,
     assert_the_drain_counted_the_streams_going,
     engine_processes,
     loaded_into,
@@ -52,11 +53,11 @@ from private_servers import (
     watch_as_a_router,
 )
 from served_models import TINY_ENGINE
-from triton_clients import aio_generate, grpc_generate
+from triton_clients import aio_generate, grpc_generate, make_inputs
 from tritonclient.utils import InferenceServerException
 
 from triton_vllm_multistep.checks import adapters
-from triton_vllm_multistep.checks.v1_reference import offline_v1_outputs
+from triton_vllm_multistep.checks.v1_reference import offline_v1_outputs, run_v1_script
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.engine import cpu_placement
 from triton_vllm_multistep.engine_v1.cpu_compile_cache import AOT_COMPILE_ENV
@@ -76,6 +77,9 @@ SEVERAL = {**SEEDED, "n": 2}  # n completions: V1 samples each with a seed of it
 PROMPTS = ((1, 5, 9, 12, 40), (3, 4, 5), (7, 8, 2, 2, 6, 100, 3))
 SMOLLM3 = "smollm3_v1"  # served on V1; transformers 4.51 (this environment's) cannot load it
 SMOLLM3_PROMPT_LIMIT = 24  # its config.pbtxt max_prompt_tokens
+# The ensemble over smollm3_v1 (docs/ensemble.md): its preprocessing stage with `vllm_engine: v1`.
+ENSEMBLE_V1, PREPROCESSING_V1, POSTPROCESSING_V1 = "ensemble_v1", "preprocessing_v1", "postprocessing_v1"
+SHORT_CHAT = [{"role": "user", "content": "Hi"}]  # 17 tokens with the chat template: within SmolLM3's 24
 TEXT_PROMPTS = ("The capital of France is", "hello world, hello", "a b c d e f g")
 README_REPOSITORY, README_MODEL = "/tmp/v1_repository", "vllm_model"
 STRUCTURED = {
@@ -141,6 +145,12 @@ def v1_server(
             },
         },
     )
+    # The ensemble over SmolLM3 (its tokenizer too is one this environment cannot load), loaded by its
+    # test; a postprocessing stage with `vllm_engine: v1`, whose load fails saying why.
+    add_v1_pipeline(repository, SMOLLM3, smollm3_engine["model"], ENSEMBLE_V1, PREPROCESSING_V1)
+    shutil.copytree(REPO_ROOT / "model_repository" / "postprocessing", repository / POSTPROCESSING_V1)
+    config = repository / POSTPROCESSING_V1 / "config.pbtxt"
+    config.write_text(config.read_text() + '\nparameters { key: "vllm_engine" value: { string_value: "v1" } }\n')
     # The README's V1 model (SmolLM2 on V1, made by the README's commands), as it names it.
     shutil.copytree(readme_made / README_MODEL, repository / README_MODEL)
     # Multi-LoRA as Triton's vLLM backend configures it: multi_lora.json beside model.json.
@@ -316,6 +326,68 @@ def test_a_model_this_environments_transformers_cannot_load_serves_text_on_v1_ex
         whole = grpc_generate(v1_server.grpc_url, SMOLLM3, prompt=text, sampling=sampling, stream=False)
         assert whole.error is None and whole.token_ids() == ids
         assert whole.text() == text + answer
+
+
+def test_the_ensemble_on_a_v1_model_tokenizes_in_the_v1_environment_and_streams_the_models_text(
+    v1_server: ServerProcess,
+) -> None:
+    """The ensemble as docs/ensemble.md writes it for a V1 model: the preprocessing stage with
+    `vllm_engine: v1` (SmolLM3's tokenizer, which this environment's transformers cannot load, loaded in
+    the V1 environment) → smollm3_v1, whose text_output is the ensemble's. Text in: the tokens and text
+    the model gives for the same text itself, streamed one response per step and whole; chat messages:
+    the model's answer to the V1 tokenizer's chat template. A postprocessing stage with `vllm_engine:
+    v1` fails its load saying why; a V1 model asked for windows refuses that request alone."""
+    import numpy as np
+    import transformers
+
+    path = str(smollm3.build(v1_python()))
+    with pytest.raises(ValueError, match="TokenizersBackend does not exist"):
+        transformers.AutoTokenizer.from_pretrained(path)
+    url = v1_server.grpc_url
+    with grpcclient.InferenceServerClient(url) as client:
+        client.load_model(ENSEMBLE_V1)
+    try:
+        stub_without_torch(v1_server, PREPROCESSING_V1)  # the tokenizer runs in the V1 environment's process
+        for text in TEXT_PROMPTS:
+            direct = grpc_generate(url, SMOLLM3, prompt=text, sampling=GREEDY, stream=True)
+            streamed, whole = (
+                grpc_generate(
+                    url, ENSEMBLE_V1, inputs=make_inputs(grpcclient, prompt=text, sampling=GREEDY, stream=stream)
+                )
+                for stream in (True, False)
+            )
+            for result in (direct, streamed, whole):
+                assert result.error is None and result.finals == 1, (text, result.error)
+            assert streamed.token_ids() == direct.token_ids() and streamed.text() == direct.text(), text
+            assert [len(r["output_ids"]) for r in streamed.data_responses] == [1] * TOKENS
+            assert whole.token_ids() == direct.token_ids() and whole.text() == direct.text(), text
+        script = (
+            "import json, sys\nfrom transformers import AutoTokenizer\n"
+            "tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+            "messages = json.loads(sys.stdin.read())\n"
+            "text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)\n"
+            "print('CHAT-IDS', json.dumps(tokenizer.encode(text, add_special_tokens=False)))\n"
+        )
+        stdout = run_v1_script(v1_python(), script, (path,), json.dumps(SHORT_CHAT), "the V1 chat template", {})
+        (line,) = [line for line in stdout.splitlines() if line.startswith("CHAT-IDS ")]
+        chat_ids = json.loads(line.removeprefix("CHAT-IDS "))
+        direct = grpc_generate(url, SMOLLM3, input_ids=chat_ids, sampling=GREEDY, stream=True)
+        messages = grpcclient.InferInput("messages", [1], "BYTES")
+        messages.set_data_from_numpy(np.array([json.dumps(SHORT_CHAT).encode()], dtype=np.object_))
+        chat_inputs = [*make_inputs(grpcclient, sampling=GREEDY, stream=True), messages]
+        chat = grpc_generate(url, ENSEMBLE_V1, inputs=chat_inputs)
+        assert chat.error is None and direct.error is None, (chat.error, direct.error)
+        assert chat.token_ids() == direct.token_ids() and chat.text() == direct.text()
+        windows = grpc_generate(url, SMOLLM3, input_ids=[5, 6], sampling=GREEDY, stream=True,
+                                return_detokenization_window=True)  # fmt: skip
+        assert windows.error is not None and "map it to the ensemble's text_output" in windows.error, windows.error
+        with grpcclient.InferenceServerClient(url) as client, pytest.raises(InferenceServerException) as refused:
+            client.load_model(POSTPROCESSING_V1)
+        assert "text_output is each step's exact text already" in str(refused.value), refused.value
+    finally:
+        with grpcclient.InferenceServerClient(url) as client:
+            client.unload_model(ENSEMBLE_V1)
+            client.unload_model(PREPROCESSING_V1)
 
 
 def test_a_text_prompt_over_the_limit_fails_alone_in_the_stubs_words(v1_server: ServerProcess) -> None:
@@ -898,13 +970,19 @@ def test_the_embedding_model_on_v1_gives_sentence_transformers_embedding(
     """The shipped embedding model with `vllm_engine: v1` (no `task`: vLLM 0.32 finds it): Triton's vLLM
     backend's `embedding_request`, text tokenized in the V1 environment and token ids, one FINAL
     response each, equal to sentence-transformers' encode; its requests refused alone in the words of
-    both engines (a generation request; `dimensions` for a model not trained for them: V1's vLLM)."""
+    both engines (a generation request; `dimensions` for a model not trained for them: V1's vLLM).
+    Through the OpenAI API (vLLM 0.32's embedding serving code over the model): /v1/embeddings gives
+    the same vectors, float and base64, one input or a list, with usage; what the model's request
+    cannot carry (`use_activation` off) and `dimensions` are 400s; it serves no completions."""
+    import base64
+
     import numpy as np
     from references import EMBEDDING_TEXTS
 
     with grpcclient.InferenceServerClient(v1_server.grpc_url) as client:
         client.load_model(V1_EMBEDDING)
     try:
+        over_kserve: dict[str, list[float]] = {}
         for text, ids, expected in zip(EMBEDDING_TEXTS, references.embedding_ids, references.embeddings, strict=True):
             for prompt in (text, ids):
                 result = grpc_generate(
@@ -913,10 +991,35 @@ def test_the_embedding_model_on_v1_gives_sentence_transformers_embedding(
                 )  # fmt: skip
                 assert result.error is None and result.finals == 1 and len(result.responses) == 1, result.error
                 (response,) = result.responses
-                found = np.array(json.loads(response["text_output"][0]), dtype=np.float32)
+                vector = json.loads(response["text_output"][0])
+                assert over_kserve.setdefault(text, vector) == vector  # text and its token ids alike
+                found = np.array(vector, dtype=np.float32)
                 np.testing.assert_allclose(found, expected, rtol=0, atol=1e-6)
                 assert response["num_input_tokens"].tolist() == [len(ids)]
                 assert response["num_output_tokens"].tolist() == [0]
+        with openai_api_of(v1_server, V1_EMBEDDING) as url:
+
+            def embeddings(**body: Any) -> requests.Response:
+                return requests.post(f"{url}/v1/embeddings", json={"model": V1_EMBEDDING, **body}, timeout=120)
+
+            listed = embeddings(input=list(EMBEDDING_TEXTS))
+            assert listed.status_code == 200, listed.text
+            answer = listed.json()
+            assert [item["embedding"] for item in answer["data"]] == [over_kserve[t] for t in EMBEDDING_TEXTS]
+            assert answer["usage"]["prompt_tokens"] == sum(len(ids) for ids in references.embedding_ids)
+            text, ids = EMBEDDING_TEXTS[0], references.embedding_ids[0]
+            encoded = embeddings(input=ids, encoding_format="base64")
+            assert encoded.status_code == 200, encoded.text
+            decoded = np.frombuffer(base64.b64decode(encoded.json()["data"][0]["embedding"]), dtype=np.float32)
+            assert decoded.tolist() == over_kserve[text]
+            raw = embeddings(input=text, use_activation=False)
+            assert raw.status_code == 400 and "use_activation False is not served" in raw.text, raw.text
+            shorter_api = embeddings(input=text, dimensions=8)
+            assert shorter_api.status_code == 400 and "matryoshka" in shorter_api.text.lower(), shorter_api.text
+            completion = requests.post(
+                f"{url}/v1/completions", json={"model": V1_EMBEDDING, "prompt": "hi"}, timeout=60
+            )
+            assert completion.status_code in (400, 404), completion.text
         generate = grpc_generate(v1_server.grpc_url, V1_EMBEDDING, prompt="hi")
         assert generate.error is not None and generate.error.endswith(
             f"Error generating stream: Model {V1_EMBEDDING} does not support 'generate' request"

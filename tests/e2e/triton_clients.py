@@ -27,6 +27,7 @@ BOOL_FLAGS = (
     "return_num_input_tokens",
     "return_num_output_tokens",
     "return_perf_metrics",
+    "return_detokenization_window",
 )
 PERF_METRICS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
 

@@ -225,3 +225,16 @@ def test_vllms_request_priority_becomes_the_models_priority_input() -> None:
     model = codec.ModelLimits(100, 64, scheduling_policy="priority")
     generation = codec.decode_request(dict(request.inputs), None, model, encode=lambda _: [1], decode=str)
     assert generation.priority == -4
+
+
+@pytest.mark.parametrize("dimensions", [None, 8])
+def test_an_embedding_request_of_either_api_is_one_the_model_reads_back_as_sent(dimensions: int | None) -> None:
+    """triton_stream.embedding_request (both OpenAI servers send it): the model's codec reads the same
+    token ids, dimensions and priority back; the vector comes back from text_output as sent."""
+    request = triton_stream.embedding_request([5, 6, 7], dimensions, priority=3)
+    model = codec.ModelLimits(100, 64, scheduling_policy="priority", tasks=("embed",))
+    back = codec.decode_request(dict(request.inputs), None, model, encode=None, decode=None)
+    assert isinstance(back, codec.EmbeddingRequest)
+    assert back.prompt_token_ids == [5, 6, 7] and back.priority == 3 and back.returns.num_input_tokens
+    assert back.pooling == ({} if dimensions is None else {"dimensions": dimensions})
+    assert triton_stream.embedding_vector({"text_output": ["[0.25, -1.5]"]}) == [0.25, -1.5]

@@ -71,6 +71,7 @@ def test_text_and_settings_become_the_llm_models_inputs(preprocessing: Any, bpe:
     arrays = response.arrays()
     assert arrays["input_ids"].dtype == np.int32 and arrays["input_ids"].tolist() == [bpe.encode("cats sleep")]
     assert arrays["return_detokenization_window"].tolist() == [[True]]
+    assert arrays["exclude_input_in_output"].tolist() == [[True]]
     fields = sampling_of(response)
     assert fields == {
         "temperature": 0.5,

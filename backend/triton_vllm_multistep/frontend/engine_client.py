@@ -23,7 +23,12 @@ from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 from triton_vllm_multistep.frontend import triton_requests
-from triton_vllm_multistep.frontend.triton_stream import ModelStreams, TritonModelState, TritonRequest
+from triton_vllm_multistep.frontend.triton_stream import (
+    ModelStreams,
+    TritonModelState,
+    TritonRequest,
+    embedding_request,
+)
 from triton_vllm_multistep.interface import NUM_OUTPUT_TOKENS, TEXT_OUTPUT, encode_image
 
 
@@ -150,9 +155,7 @@ class TritonEngineClient(TritonModelState, EngineClient):
         if lora_request is not None:
             raise triton_requests.UnsupportedRequest("LoRA adapters are not served for embedding models")
         prompt_ids = list(prompt["prompt_token_ids"])
-        return self._pooled(
-            request_id, prompt_ids, triton_requests.embedding_request(prompt_ids, pooling_params, priority)
-        )
+        return self._pooled(request_id, prompt_ids, embedding_request(prompt_ids, pooling_params.dimensions, priority))
 
     async def _pooled(
         self, request_id: str, prompt_ids: list[int], request: TritonRequest

@@ -8,35 +8,24 @@ shared with the V1 models' server); pure logic, no network.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 from vllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
-from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.sequence import Logprob
 
 from triton_vllm_multistep.frontend.triton_stream import (
-    FINAL_RESPONSE_PARAMETERS,
     TritonRequest,
     changed_fields,
+    embedding_vector,
     generation_request,
     logprob_objects,
     model_answer,
     vllm_completions,
 )
 from triton_vllm_multistep.interface import (
-    DIMENSIONS_FIELD,
-    EMBEDDING_INPUT_FIELD,
-    EMBEDDING_REQUEST,
     LORA_NAME_FIELD,
-    NUM_INPUT_TOKENS,
-    POOLING_PARAMS_FIELD,
-    PRIORITY,
-    RETURN_NUM_INPUT_TOKENS,
-    TEXT_OUTPUT,
 )
 
 # Beside triton_stream's SENT_SAMPLING_FIELDS, `n`/`best_of` and `guided_decoding` are sent on their
@@ -89,20 +78,6 @@ def triton_request(
     )
 
 
-def embedding_request(prompt_token_ids: Sequence[int], params: PoolingParams, priority: int = 0) -> TritonRequest:
-    """The request for an embedding model's tokenized prompt: `embedding_request` (Triton's vLLM backend's
-    JSON, `dimensions` as its OpenAI front end sends it), the prompt's token count asked for."""
-    pooling = {} if params.dimensions is None else {DIMENSIONS_FIELD: [params.dimensions]}
-    body = {EMBEDDING_INPUT_FIELD: list(prompt_token_ids), POOLING_PARAMS_FIELD: pooling}
-    inputs = {
-        EMBEDDING_REQUEST: np.array([json.dumps(body).encode()], dtype=np.object_),
-        RETURN_NUM_INPUT_TOKENS: np.array([True], dtype=bool),
-    }
-    if priority:
-        inputs[PRIORITY] = np.array([priority], dtype=np.int32)
-    return TritonRequest(inputs, (TEXT_OUTPUT, NUM_INPUT_TOKENS), dict(FINAL_RESPONSE_PARAMETERS))
-
-
 def pooling_output(
     request_id: str, prompt_token_ids: list[int], arrays: Mapping[str, Sequence[Any]]
 ) -> PoolingRequestOutput:
@@ -110,7 +85,7 @@ def pooling_output(
     the float32 values the engine computed (JSON carries each exactly)."""
     import torch
 
-    vector = json.loads(arrays[TEXT_OUTPUT][0])
+    vector = embedding_vector(arrays)
     return PoolingRequestOutput(
         request_id, PoolingOutput(torch.tensor(vector, dtype=torch.float32)), prompt_token_ids, True
     )

@@ -26,6 +26,9 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from triton_vllm_multistep.frontend.errors import EngineUnavailable, is_unavailable
 from triton_vllm_multistep.interface import (
+    DIMENSIONS_FIELD,
+    EMBEDDING_INPUT_FIELD,
+    EMBEDDING_REQUEST,
     FINISH_REASON,
     IMAGE_INPUT,
     INPUT_IDS,
@@ -33,6 +36,7 @@ from triton_vllm_multistep.interface import (
     NUM_INPUT_TOKENS,
     NUM_OUTPUT_TOKENS,
     OUTPUT_IDS,
+    POOLING_PARAMS_FIELD,
     PRIORITY,
     PROMPT_LOGPROBS,
     RETURN_FINISH_REASON,
@@ -134,6 +138,25 @@ def generation_request(
     if prompt_logprobs:
         outputs = (*outputs, PROMPT_LOGPROBS)
     return TritonRequest(inputs, outputs, dict(FINAL_RESPONSE_PARAMETERS))
+
+
+def embedding_request(prompt_token_ids: Sequence[int], dimensions: int | None, priority: int = 0) -> TritonRequest:
+    """The request for an embedding model's tokenized prompt: `embedding_request` (Triton's vLLM backend's
+    JSON, `dimensions` as its OpenAI front end sends it), the prompt's token count asked for."""
+    pooling = {} if dimensions is None else {DIMENSIONS_FIELD: [dimensions]}
+    body = {EMBEDDING_INPUT_FIELD: list(prompt_token_ids), POOLING_PARAMS_FIELD: pooling}
+    inputs = {
+        EMBEDDING_REQUEST: np.array([json.dumps(body).encode()], dtype=np.object_),
+        RETURN_NUM_INPUT_TOKENS: np.array([True], dtype=bool),
+    }
+    if priority:
+        inputs[PRIORITY] = np.array([priority], dtype=np.int32)
+    return TritonRequest(inputs, (TEXT_OUTPUT, NUM_INPUT_TOKENS), dict(FINAL_RESPONSE_PARAMETERS))
+
+
+def embedding_vector(values: Mapping[str, Sequence[Any]]) -> list[float]:
+    """An embedding model's vector from its data response (JSON in text_output: each float32 exactly)."""
+    return json.loads(values[TEXT_OUTPUT][0])
 
 
 # One step's logprobs as the backend sends them: {token id (text): {"logprob", "rank", "decoded_token"}}.

@@ -4,7 +4,8 @@ Owns what vLLM 0.32's serving code reads of an engine: its VllmConfig, ModelConf
 (tokenizer and chat template, loaded in `.venv-v1` by V1's own code) and input processor, built from
 the model's engine arguments without an engine; each `generate` one gRPC stream to the model (the
 renderer's token ids in, per-step deltas or one whole answer out), cancelled when the HTTP client
-goes away, which aborts the request in the engine. Runs in `.venv-v1` with tritonclient 2.73.
+goes away, which aborts the request in the engine; each `encode` (an embedding model's) one
+`embedding_request` to it. Runs in `.venv-v1` with tritonclient 2.73.
 """
 
 from __future__ import annotations
@@ -16,17 +17,27 @@ from typing import Any
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.protocol import EngineClient
 from vllm.lora.request import LoRARequest
-from vllm.outputs import RequestOutput
+from vllm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from vllm.pooling_params import PoolingParams
 from vllm.renderers import renderer_from_config
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.engine.input_processor import InputProcessor
 
 from triton_vllm_multistep.frontend.errors import EngineUnavailable
-from triton_vllm_multistep.frontend.triton_stream import ModelStreams, TritonModelState
+from triton_vllm_multistep.frontend.triton_stream import (
+    ModelStreams,
+    TritonModelState,
+    TritonRequest,
+    embedding_request,
+    embedding_vector,
+)
 from triton_vllm_multistep.frontend_v1 import triton_requests
 from triton_vllm_multistep.frontend_v1.triton_requests import UnsupportedRequest, new_parts
-from triton_vllm_multistep.interface import NUM_OUTPUT_TOKENS
+from triton_vllm_multistep.interface import NUM_OUTPUT_TOKENS, TEXT_OUTPUT
+
+# The pooling task an embedding model serves here: Triton's vLLM backend's `embedding_request`.
+EMBED = "embed"
 
 
 def engine_config(engine_args: Mapping[str, Any]) -> Any:
@@ -48,7 +59,9 @@ class TritonV1EngineClient(TritonModelState, EngineClient):
         self._adapters = dict(adapters)
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
-        return ("generate",)
+        # What the model's stub serves of what its V1 engine supports: generation, or an embedding
+        # model's "embed" (vLLM's routes follow: /v1/embeddings and the scoring routes built on it).
+        return (EMBED,) if self.model_config.runner_type == "pooling" else ("generate",)
 
     def generate(
         self,
@@ -93,8 +106,45 @@ class TritonV1EngineClient(TritonModelState, EngineClient):
                         first = False
                     yield output
 
-    def encode(self, *args: Any, **kwargs: Any) -> Any:
-        raise UnsupportedRequest("embedding models on vllm_engine 'v1' are served over KServe, not this API")
+    def encode(
+        self,
+        prompt: Any,
+        pooling_params: PoolingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+        **_engine_options: Any,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """An embedding model's request (vLLM 0.32's pooling serving code, its parameters verified against
+        the model): one vector for a tokenized prompt. What `embedding_request` cannot carry (another
+        pooling task, `use_activation` other than the model's own) is refused by name, never dropped."""
+        if not isinstance(prompt, Mapping) or "prompt_token_ids" not in prompt:
+            raise UnsupportedRequest("only tokenized prompts reach this server's engine client")
+        if lora_request is not None:
+            raise UnsupportedRequest("LoRA adapters are not served for embedding models")
+        if pooling_params.task != EMBED:
+            raise UnsupportedRequest(f"pooling task {pooling_params.task!r} is not served (this API serves 'embed')")
+        models_own = PoolingParams(task=EMBED)
+        models_own.verify(self.model_config)
+        if pooling_params.use_activation != models_own.use_activation:
+            raise UnsupportedRequest(
+                f"use_activation {pooling_params.use_activation!r} is not served through this API "
+                f"(the model's own: {models_own.use_activation!r})"
+            )
+        prompt_ids = list(prompt["prompt_token_ids"])
+        return self._pooled(request_id, prompt_ids, embedding_request(prompt_ids, pooling_params.dimensions, priority))
+
+    async def _pooled(
+        self, request_id: str, prompt_ids: list[int], request: TritonRequest
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        import torch
+
+        async with aclosing(self._streams.responses(request_id, request)) as responses:
+            async for values in responses:
+                if TEXT_OUTPUT in values:  # the data response (the empty FINAL has none)
+                    vector = torch.tensor(embedding_vector(values), dtype=torch.float32)
+                    yield PoolingRequestOutput(request_id, PoolingOutput(vector), prompt_ids, 0, True)
 
     async def check_health(self) -> None:
         try:

@@ -24,6 +24,12 @@ def v1_environment_python() -> Path | None:
     return candidate if candidate.exists() else None
 
 
+def configured_v1_python() -> str | None:
+    """The V1 environment's Python a process of this package starts V1 processes with: V1_PYTHON_ENV
+    (the launcher and the image set it), else the .venv-v1 beside this environment, else None."""
+    return os.environ.get(V1_PYTHON_ENV) or (str(local) if (local := v1_environment_python()) else None)
+
+
 def v1_import_path(package_parent: str) -> dict[str, str]:
     """The V1 engine process's PYTHONPATH: the package's folder when it is a source checkout (scripts/
     setup.sh's .venv-v1 has no copy), nothing when it is installed (a site-packages folder would

@@ -611,8 +611,9 @@ def decode_request(
         raise RequestError("return_detokenization_window supports one completion per request (n=1)")
     if returns.detokenization_window and decode is None:
         raise RequestError(
-            f"{model.model_name} runs on vLLM's V1 engine: return_detokenization_window (the ensemble's "
-            "postprocessing windows) is not served on V1 yet"
+            f"{model.model_name} runs on vLLM's V1 engine: return_detokenization_window (the postprocessing "
+            "stage's windows) is not served on V1, whose text_output is each step's exact text already: map "
+            "it to the ensemble's text_output instead of a postprocessing stage (docs/ensemble.md)"
         )
     return GenerationRequest(
         prompt_token_ids=prompt_ids,

@@ -18,6 +18,7 @@ import numpy as np
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.interface import (
     BAD_WORDS,
+    EXCLUDE_INPUT_IN_OUTPUT,
     INPUT_IDS,
     MESSAGES,
     RETURN_DETOKENIZATION_WINDOW,
@@ -41,6 +42,9 @@ from triton_vllm_multistep.stub.codec import (
 from triton_vllm_multistep.stub.detokenization import slice_window, window_decoder
 
 DEFAULT_TOKENIZER = "demo://tiny-llama-bpe"
+# config.pbtxt `vllm_engine` on a stage: the engine of the LLM model behind it ("multistep", the
+# default: this environment's tokenizer; "v1": the V1 environment's, stub/v1_tokenizer.py).
+STAGE_ENGINES = ("multistep", "v1")
 
 
 def use_tokenizers_only() -> None:
@@ -119,6 +123,9 @@ class Preprocessor:
             SAMPLING_PARAMETERS: np.array([[json.dumps(fields).encode()]], dtype=np.object_),
             # The LLM model sends text windows only when asked; the ensemble always asks.
             RETURN_DETOKENIZATION_WINDOW: np.array([[True]]),
+            # The answer alone, streamed or whole (what postprocessing's windows give): the ensemble on a
+            # V1 model, whose text_output is the ensemble's, maps it (docs/ensemble.md).
+            EXCLUDE_INPUT_IN_OUTPUT: np.array([[True]]),
         }
 
 
@@ -155,6 +162,24 @@ def run_batch(
     return responses
 
 
+def stage_engine(parameters: Mapping[str, str], handler_class: type) -> str:
+    """config.pbtxt `vllm_engine` of a tokenizer stage, checked: "v1" runs a preprocessing stage's
+    tokenizer in the V1 environment; a postprocessing stage has nothing to do for a V1 model, whose
+    `text_output` is already each step's exact text (made in the V1 environment): a load error saying so."""
+    engine = parameters.get("vllm_engine") or STAGE_ENGINES[0]
+    if engine not in STAGE_ENGINES:
+        raise ValueError(
+            f"config.pbtxt parameter 'vllm_engine' must be one of {', '.join(STAGE_ENGINES)}, got {engine!r}"
+        )
+    if engine == "v1" and handler_class is Postprocessor:
+        raise ValueError(
+            "config.pbtxt parameter 'vllm_engine' is 'v1' on a postprocessing stage: a V1 model's text_output is "
+            "each step's exact text already; map it to the ensemble's text_output instead of this stage "
+            '(docs/ensemble.md, "The ensemble on V1 models")'
+        )
+    return engine
+
+
 def python_model(
     pb_utils: Any, handler_class: type[Preprocessor] | type[Postprocessor], tokenizers_only: bool = True
 ) -> type:
@@ -168,19 +193,29 @@ def python_model(
     class TritonPythonModel:
         def initialize(self, args: dict[str, str]) -> None:
             self._guard = stall_guard.start_for(args)
+            self._v1_tokenizer: Any = None
             try:
                 config = json.loads(args["model_config"])
                 self._names = [item["name"] for item in config["input"]]
-                tokenizer_dir = parameter_values(config).get("tokenizer_dir") or DEFAULT_TOKENIZER
-                self._handler = handler_class(load_tokenizer(tokenizer_dir))
+                parameters = parameter_values(config)
+                tokenizer_dir = parameters.get("tokenizer_dir") or DEFAULT_TOKENIZER
+                if stage_engine(parameters, handler_class) == "v1":
+                    from triton_vllm_multistep.stub.v1_tokenizer import V1Tokenizer
+
+                    self._v1_tokenizer = V1Tokenizer(demo_models.resolve(tokenizer_dir))
+                    self._handler = handler_class(self._v1_tokenizer)
+                else:
+                    self._handler = handler_class(load_tokenizer(tokenizer_dir))
             except BaseException:
-                self._guard.finalizing()  # a failed load ends the stub: an expected exit
+                self.finalize()  # a failed load ends the stub: an expected exit
                 raise
 
         def execute(self, requests: list[Any]) -> list[Any]:
             return run_batch(pb_utils, requests, self._names, self._handler)
 
         def finalize(self) -> None:
+            if self._v1_tokenizer is not None:
+                self._v1_tokenizer.close()
             self._guard.finalizing()
 
     return TritonPythonModel
