@@ -26,10 +26,8 @@ from triton_vllm_multistep.frontend import triton_requests
 from triton_vllm_multistep.frontend.triton_stream import (
     ModelStreams,
     TritonModelState,
-    TritonRequest,
-    embedding_request,
 )
-from triton_vllm_multistep.interface import NUM_OUTPUT_TOKENS, TEXT_OUTPUT, encode_image
+from triton_vllm_multistep.interface import NUM_OUTPUT_TOKENS, encode_image
 
 
 class ModelConfigOnly:
@@ -155,15 +153,14 @@ class TritonEngineClient(TritonModelState, EngineClient):
         if lora_request is not None:
             raise triton_requests.UnsupportedRequest("LoRA adapters are not served for embedding models")
         prompt_ids = list(prompt["prompt_token_ids"])
-        return self._pooled(request_id, prompt_ids, embedding_request(prompt_ids, pooling_params.dimensions, priority))
+        return self._pooled(request_id, prompt_ids, pooling_params.dimensions, priority)
 
     async def _pooled(
-        self, request_id: str, prompt_ids: list[int], request: TritonRequest
+        self, request_id: str, prompt_ids: list[int], dimensions: int | None, priority: int
     ) -> AsyncGenerator[PoolingRequestOutput, None]:
-        async with aclosing(self._streams.responses(request_id, request)) as responses:
-            async for values in responses:
-                if TEXT_OUTPUT in values:  # the data response (the empty FINAL has none)
-                    yield triton_requests.pooling_output(request_id, prompt_ids, values)
+        async with aclosing(self._streams.embeddings(request_id, prompt_ids, dimensions, priority)) as vectors:
+            async for vector in vectors:
+                yield triton_requests.pooling_output(request_id, prompt_ids, vector)
 
     # Engine control that belongs to the Triton model, not to this server.
 

@@ -18,7 +18,6 @@ from vllm.sequence import Logprob
 from triton_vllm_multistep.frontend.triton_stream import (
     TritonRequest,
     changed_fields,
-    embedding_vector,
     generation_request,
     logprob_objects,
     model_answer,
@@ -78,14 +77,10 @@ def triton_request(
     )
 
 
-def pooling_output(
-    request_id: str, prompt_token_ids: list[int], arrays: Mapping[str, Sequence[Any]]
-) -> PoolingRequestOutput:
-    """An embedding model's response (the vector as JSON in text_output) as vLLM's PoolingRequestOutput:
-    the float32 values the engine computed (JSON carries each exactly)."""
+def pooling_output(request_id: str, prompt_token_ids: list[int], vector: list[float]) -> PoolingRequestOutput:
+    """An embedding model's vector (float32 values, carried exactly by JSON) as vLLM's PoolingRequestOutput."""
     import torch
 
-    vector = embedding_vector(arrays)
     return PoolingRequestOutput(
         request_id, PoolingOutput(torch.tensor(vector, dtype=torch.float32)), prompt_token_ids, True
     )

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -358,6 +359,16 @@ class ModelStreams:
             # Unanswered: the HTTP client went away (vLLM's serving code was cancelled) or stopped
             # reading; cancelling the gRPC stream makes the backend abort the request in the engine.
             await end_stream(responses, answered)
+
+    async def embeddings(
+        self, request_id: str, prompt_token_ids: Sequence[int], dimensions: int | None, priority: int
+    ) -> AsyncGenerator[list[float], None]:
+        """An embedding model's vector for a tokenized prompt (its one data response; the FINAL is empty)."""
+        request = embedding_request(prompt_token_ids, dimensions, priority)
+        async with aclosing(self.responses(request_id, request)) as responses:
+            async for values in responses:
+                if TEXT_OUTPUT in values:
+                    yield embedding_vector(values)
 
     def _request_message(self, request_id: str, request: TritonRequest) -> Any:
         """The request's ModelInferRequest, built by tritonclient with Triton's own request parameters

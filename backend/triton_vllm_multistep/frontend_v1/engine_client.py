@@ -28,13 +28,10 @@ from triton_vllm_multistep.frontend.errors import EngineUnavailable
 from triton_vllm_multistep.frontend.triton_stream import (
     ModelStreams,
     TritonModelState,
-    TritonRequest,
-    embedding_request,
-    embedding_vector,
 )
 from triton_vllm_multistep.frontend_v1 import triton_requests
 from triton_vllm_multistep.frontend_v1.triton_requests import UnsupportedRequest, new_parts
-from triton_vllm_multistep.interface import NUM_OUTPUT_TOKENS, TEXT_OUTPUT
+from triton_vllm_multistep.interface import NUM_OUTPUT_TOKENS
 
 # The pooling task an embedding model serves here: Triton's vLLM backend's `embedding_request`.
 EMBED = "embed"
@@ -133,18 +130,17 @@ class TritonV1EngineClient(TritonModelState, EngineClient):
                 f"(the model's own: {models_own.use_activation!r})"
             )
         prompt_ids = list(prompt["prompt_token_ids"])
-        return self._pooled(request_id, prompt_ids, embedding_request(prompt_ids, pooling_params.dimensions, priority))
+        return self._pooled(request_id, prompt_ids, pooling_params.dimensions, priority)
 
     async def _pooled(
-        self, request_id: str, prompt_ids: list[int], request: TritonRequest
+        self, request_id: str, prompt_ids: list[int], dimensions: int | None, priority: int
     ) -> AsyncGenerator[PoolingRequestOutput, None]:
         import torch
 
-        async with aclosing(self._streams.responses(request_id, request)) as responses:
-            async for values in responses:
-                if TEXT_OUTPUT in values:  # the data response (the empty FINAL has none)
-                    vector = torch.tensor(embedding_vector(values), dtype=torch.float32)
-                    yield PoolingRequestOutput(request_id, PoolingOutput(vector), prompt_ids, 0, True)
+        async with aclosing(self._streams.embeddings(request_id, prompt_ids, dimensions, priority)) as vectors:
+            async for values in vectors:
+                vector = torch.tensor(values, dtype=torch.float32)
+                yield PoolingRequestOutput(request_id, PoolingOutput(vector), prompt_ids, 0, True)
 
     async def check_health(self) -> None:
         try:
