@@ -175,6 +175,14 @@ def image_file(image: Any, image_format: str = "PNG") -> bytes:
     return buffer.getvalue()
 
 
+def decode_image(data: bytes) -> Any:
+    """An image file's bytes (what an `EngineRequest` carries) → its RGB PIL image, as the stub read it;
+    each engine decodes the files it is handed with this."""
+    from PIL import Image
+
+    return Image.open(io.BytesIO(data)).convert("RGB")
+
+
 def encode_image(image: Any, image_format: str = "PNG") -> bytes:
     """A PIL image as an element of the `image` input: its file bytes (PNG: lossless), base64-encoded."""
     return base64.b64encode(image_file(image, image_format))

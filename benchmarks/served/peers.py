@@ -105,14 +105,18 @@ def start_vllm_serve(model: str, log_path: Path) -> tuple[VllmServe, float]:
     return vllm_serve.start_vllm_serve(sys.executable, values, MODEL, log_path, environment)
 
 
-def start_vllm_serve_v1(model: str, log_path: Path, engine_fields: dict[str, Any]) -> tuple[VllmServe, float]:
+def start_vllm_serve_v1(
+    model: str, log_path: Path, engine_fields: dict[str, Any], environment: dict[str, str] | None = None
+) -> tuple[VllmServe, float]:
     """vLLM's OpenAI API server of the V1 environment (vLLM 0.32) on a free port, serving `MODEL` with
-    the engine arguments our V1 model runs (no num_scheduler_steps; `engine_fields` on top)."""
+    the engine arguments our V1 model runs (no num_scheduler_steps; `engine_fields` on top), with
+    `environment` over the KV cache setting."""
     from triton_vllm_multistep.settings.v1_environment import v1_environment_python
 
     python = v1_environment_python()
     if python is None:
         raise SystemExit("vllm_serve_v1 needs the V1 environment (.venv-v1): run scripts/setup.sh")
     values = {**peer_engine_values(model), **engine_fields}
-    environment = {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}
-    return vllm_serve.start_vllm_serve(python, values, MODEL, log_path, environment)
+    return vllm_serve.start_vllm_serve(
+        python, values, MODEL, log_path, {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, **(environment or {})}
+    )

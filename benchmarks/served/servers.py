@@ -80,7 +80,7 @@ def start_configuration(
     if config.server == peers.VLLM_SERVE:
         return peers.start_vllm_serve(model, log)
     if config.server == peers.VLLM_SERVE_V1:
-        return peers.start_vllm_serve_v1(model, log, config.engine)
+        return peers.start_vllm_serve_v1(model, log, config.engine, config.environment)
     if config.server == peers.TRITON_VLLM_BACKEND:
         if triton_vllm_backend is None:
             raise SystemExit(f"configuration {name} needs --triton-vllm-backend (the vllm_backend repository's src/)")

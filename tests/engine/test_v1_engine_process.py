@@ -178,6 +178,7 @@ for name, fields in json.loads(sys.stdin.read()).items():
     found[name] = {
         "async_scheduling": built[-1].async_scheduling,
         "enable_lora": built[-1].enable_lora,
+        "executor": built[-1].distributed_executor_backend,
         "environment": sorted(k for k in (cpu_async.KEEP_ENV, cpu_lora.FIX_ENV) if k in os.environ),
         "cpu_check_kept_async": getattr(CpuPlatform.check_and_update_config, "keeps_async_scheduling", False),
     }
@@ -188,7 +189,8 @@ print("GPU-DECISIONS", json.dumps(found))
 def test_on_a_gpu_platform_the_v1_engine_process_leaves_vllms_decisions_to_vllm() -> None:
     """The engine process's CPU-only steps, with the platform answering "not CPU" (vLLM 0.32's CUDA
     platform cannot be imported by its CPU build; its own GPU decisions are not simulated): an image
-    model is not refused, no CPU fix is installed (the LoRA shrink, async scheduling kept), and
+    model is not refused, no CPU fix is installed (the LoRA shrink, async scheduling kept, the worker
+    moved into the core process), and
     `async_scheduling` goes to vLLM as model.json gives it (unset: vLLM decides, vllm/config/vllm.py
     turns it on where the executor supports it)."""
     image_model = str(demo_models.build("tiny-llava"))
@@ -209,6 +211,7 @@ def test_on_a_gpu_platform_the_v1_engine_process_leaves_vllms_decisions_to_vllm(
     assert found["image_model_lora"] == {
         "async_scheduling": None,
         "enable_lora": True,
+        "executor": None,  # vLLM's own choice (its worker in the core process is the CPU fix)
         "environment": [],
         "cpu_check_kept_async": False,
     }

@@ -1,17 +1,19 @@
 """The `image` input's decoding and limits (stub/images.py through stub/codec.py), with real PIL images;
-what the stub hands on (each image's file) decodes in the engine (engine/multimodal.decode_image) to
+what the stub hands on (each image's file) decodes in the engine (interface.decode_image) to
 the image the client sent."""
 
 from __future__ import annotations
 
 import base64
 import io
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from triton_vllm_multistep.engine.multimodal import decode_image
+from triton_vllm_multistep.engine_v1 import images as v1_images
+from triton_vllm_multistep.interface import decode_image
 from triton_vllm_multistep.settings import Limits
 from triton_vllm_multistep.stub import codec
 
@@ -112,3 +114,37 @@ def test_images_do_not_count_against_max_request_bytes() -> None:
     )
     noisy = Image.fromarray(np.random.default_rng(1).integers(0, 255, (32, 32, 3), dtype=np.uint8))
     assert len(request(encoded(noisy), model=model).images) == 1
+
+
+def test_a_v1_prompt_carries_the_stubs_image_files_decoded_in_order() -> None:
+    """engine_v1/images.py (GPU hosts): what vLLM 0.32 is given for a request's checked image files."""
+    red = Image.new("RGB", (7, 5), (255, 0, 0))
+    grey = Image.new("L", (3, 4), 128)
+    generation = request(encoded(red), encoded(grey, "JPEG"))
+    prompt = {"prompt_token_ids": generation.prompt_token_ids}
+    given = v1_images.with_images(prompt, generation.images)
+    assert given["prompt_token_ids"] == [1, 2, 3]
+    first, second = given["multi_modal_data"]["image"]
+    assert (first.mode, first.size, first.tobytes()) == ("RGB", (7, 5), red.tobytes())
+    assert (second.mode, second.size) == ("RGB", (3, 4))
+    assert v1_images.with_images(prompt, ()) is prompt  # a text prompt is left as it is
+
+
+@dataclass
+class _MultiModalConfig:  # vLLM 0.32's MultiModalConfig: the one method read (no model needed)
+    limits: dict[str, int]
+
+    def get_limit_per_prompt(self, modality: str) -> int:
+        return self.limits.get(modality, 999)  # vLLM 0.32's default for an unset modality
+
+
+@dataclass
+class _ModelConfig:
+    is_multimodal_model: bool
+    multimodal_config: _MultiModalConfig | None
+
+
+def test_a_v1_models_image_limit_is_vllms_and_a_text_model_takes_none() -> None:
+    assert v1_images.images_per_prompt(_ModelConfig(True, _MultiModalConfig({"image": 2}))) == 2
+    assert v1_images.images_per_prompt(_ModelConfig(True, _MultiModalConfig({}))) == 999
+    assert v1_images.images_per_prompt(_ModelConfig(False, None)) == 0

@@ -22,7 +22,7 @@ IMAGE_CHECKS = (
 )
 
 
-def _image_requests(model_dir: Path) -> dict[str, tuple[list[int], list[Any]]]:
+def image_requests(model_dir: Path) -> dict[str, tuple[list[int], list[Any]]]:
     """request id → (prompt ids with the model's `<image>` placeholders, images)."""
     from transformers import AutoTokenizer
 
@@ -59,7 +59,7 @@ def run_image_checks(report: SmokeReport, engine_args: Any, user_threads: dict[s
         limit_mm_per_prompt={"image": 2},
         enable_lora=False,
     )
-    requests = _image_requests(model_dir)
+    requests = image_requests(model_dir)
     max_tokens = engine_args.num_scheduler_steps + 4  # a prefill step, a whole window and a partial one
 
     def params() -> dict[str, Any]:

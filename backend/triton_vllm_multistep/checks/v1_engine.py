@@ -6,18 +6,19 @@ config's engine_args through settings/, multi-step's settings dropped), its V1 e
 the V1 environment's Python (TRITON_VLLM_MULTISTEP_V1_PYTHON: the image's /opt/vllm-v1, or
 scripts/setup.sh's .venv-v1), and the checks: greedy and seeded text prompts in one batch, each
 streamed one output per decoded step, each equal (ids and text) to V1's offline `LLM` in the same
-environment; it reports what V1 runs (async scheduling: vLLM's own choice on GPU, off on CPU unless
-model.json asks). Must not start Triton.
+environment; then the image checks (checks/v1_images.py: on GPU the tiny LLaVA model's image
+prompts equal to V1's offline LLM, on CPU its load error); it reports what V1 runs (async
+scheduling: vLLM's own choice on GPU, off on CPU unless model.json asks). Must not start Triton.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 from triton_vllm_multistep.checks.collector import EventCollector
 from triton_vllm_multistep.checks.report import SmokeReport
+from triton_vllm_multistep.checks.v1_images import run_v1_image_checks
 
 PROMPTS = ("The capital of France is", "Three colours of the rainbow are")
 MAX_TOKENS = 16
@@ -51,10 +52,9 @@ def run_v1_checks(report: SmokeReport, engine_values: dict[str, Any], python: st
     from triton_vllm_multistep.checks.v1_reference import offline_v1_outputs
     from triton_vllm_multistep.engine.events import EngineRequest
     from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec
-    from triton_vllm_multistep.settings.v1_environment import V1_PYTHON_ENV, v1_environment_python
+    from triton_vllm_multistep.settings.v1_environment import V1_PYTHON_ENV, configured_v1_python
 
-    local = v1_environment_python()
-    python = python or os.environ.get(V1_PYTHON_ENV) or (str(local) if local else None)
+    python = python or configured_v1_python()
     if python is None:
         why = f"no V1 environment: {V1_PYTHON_ENV} is not set (the image sets it) and there is no .venv-v1"
         report.skip("v1 engine", why)
@@ -93,3 +93,6 @@ def run_v1_checks(report: SmokeReport, engine_values: dict[str, Any], python: st
         ids, text = offline[rid]
         same = collector.tokens.get(rid) == ids and collector.texts.get(rid) == text
         report.check(f"v1 {rid} equals V1's offline LLM", same, f"{len(ids)} tokens, text {text!r}")
+    from vllm.platforms import current_platform  # this environment's vLLM: the host's platform
+
+    run_v1_image_checks(report, engine_values, python, on_cpu=current_platform.is_cpu())

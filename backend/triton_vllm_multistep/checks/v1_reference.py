@@ -8,6 +8,7 @@ exactly. Knows nothing of servers or of what is asserted.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -25,12 +26,18 @@ def params_of(sampling):
     if "structured_outputs" in sampling:
         sampling = {**sampling, "structured_outputs": StructuredOutputsParams(**sampling["structured_outputs"])}
     return SamplingParams(**sampling)
-params = [params_of(sampling) for _, _, sampling, _ in requests]
-prompts = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for _, p, _, _ in requests]
+params = [params_of(sampling) for _, _, sampling, _, _ in requests]
+prompts = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for _, p, _, _, _ in requests]
+for prompt, (*_, images) in zip(prompts, requests):
+    if images:  # image files, base64: decoded as the engine process decodes the stub's
+        import base64, io
+        from PIL import Image
+        files = [io.BytesIO(base64.b64decode(data)) for data in images]
+        prompt["multi_modal_data"] = {"image": [Image.open(file).convert("RGB") for file in files]}
 adapters = None
-if any(adapter for *_, adapter in requests):
+if any(adapter for *_, adapter, _ in requests):
     from vllm.lora.request import LoRARequest
-    adapters = [adapter and LoRARequest(*adapter) for *_, adapter in requests]
+    adapters = [adapter and LoRARequest(*adapter) for *_, adapter, _ in requests]
 if separately:  # each request in a batch of its own
     outputs = [llm.generate([p], [q], use_tqdm=False, lora_request=adapters and [adapters[i]])[0]
                for i, (p, q) in enumerate(zip(prompts, params))]
@@ -54,9 +61,11 @@ def offline_v1_outputs(
     engine_fields: Mapping[str, Any],
     requests: Sequence[tuple[str, Sequence[int] | str, Mapping[str, Any]] | tuple[str, Any, Any, Any]],
     separately: bool = False,
+    images: Mapping[str, Sequence[bytes]] | None = None,
 ) -> dict[str, tuple[list[int], str]]:
     """Request id → (token ids, text) V1's offline LLM gives; a prompt is token ids or text (which
-    V1 tokenizes as it does any text prompt); a fourth item is a LoRA adapter as (name, id, path).
+    V1 tokenizes as it does any text prompt); a fourth item is a LoRA adapter as (name, id, path);
+    `images`: request id → the image files its prompt's placeholders stand for (what an EngineRequest carries).
     `separately`: each request in a batch of its own (vLLM 0.32's CPU LoRA gives a base request
     batched with adapter requests an adapter's delta: engine_v1/cpu_lora.py)."""
     plain = [
@@ -65,6 +74,7 @@ def offline_v1_outputs(
             prompt if isinstance(prompt, str) else list(prompt),
             {k: v for k, v in sampling.items() if k != "output_kind"},
             list(adapter[0]) if adapter and adapter[0] else None,
+            [base64.b64encode(data).decode() for data in (images or {}).get(rid, ())],
         ]
         for rid, prompt, sampling, *adapter in requests
     ]

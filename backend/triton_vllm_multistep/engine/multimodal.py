@@ -17,7 +17,6 @@ and a fast tokenizer is not safe to share across threads.
 
 from __future__ import annotations
 
-import io
 import logging
 import queue
 import threading
@@ -27,6 +26,8 @@ from typing import Any
 from vllm.config import ModelConfig
 from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import TokensPrompt
+
+from triton_vllm_multistep.interface import decode_image
 
 logger = logging.getLogger(__name__)
 
@@ -90,13 +91,6 @@ def images_per_prompt(model_config: ModelConfig) -> int:
     if not model_config.is_multimodal_model or model_config.multimodal_config is None:
         return 0
     return int(model_config.multimodal_config.get_limit_per_prompt("image"))
-
-
-def decode_image(data: bytes) -> Any:
-    """An encoded image file (one of an EngineRequest's images) → its RGB PIL image, as the stub read it."""
-    from PIL import Image
-
-    return Image.open(io.BytesIO(data)).convert("RGB")
 
 
 def image_prompt(prompt_token_ids: list[int], images: Sequence[Any]) -> TokensPrompt:

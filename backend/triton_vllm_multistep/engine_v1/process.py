@@ -37,9 +37,9 @@ from triton_vllm_multistep.engine.events import (
 )
 from triton_vllm_multistep.engine.messages import Abort, Built, EngineSpec, Serve, Stop, Stopped, build_failure, sender
 from triton_vllm_multistep.engine.outputs import plain_outputs
-from triton_vllm_multistep.engine_v1 import cpu_async, cpu_compile_cache, cpu_lora, stats
+from triton_vllm_multistep.engine_v1 import cpu_async, cpu_compile_cache, cpu_executor, cpu_lora, images, stats
 from triton_vllm_multistep.engine_v1.completions import CompletionFold
-from triton_vllm_multistep.engine_v1.sampling import UnsupportedOnV1, pooling_params, sampling_params
+from triton_vllm_multistep.engine_v1.sampling import pooling_params, sampling_params
 from triton_vllm_multistep.interface import SERVED_TASKS
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,13 @@ def build_engine(spec: EngineSpec) -> tuple[Any, stats.SchedulerStatsLogger]:
         os.environ[cpu_lora.FIX_ENV] = "1"  # before the engine core starts: it inherits the environment
         cpu_lora.exact_base_rows_in_mixed_batches()
     recorder = stats.SchedulerStatsLogger.factory()
-    engine = LLMEngine.from_engine_args(engine_args, stat_loggers=[recorder])
+    if current_platform.is_cpu() and cpu_executor.runs_worker_in_core(engine_args):
+        engine_args.distributed_executor_backend = cpu_executor.WORKER_IN_CORE_EXECUTOR
+        vllm_config = engine_args.create_engine_config()
+        with cpu_executor.core_threads_placed(vllm_config):
+            engine = LLMEngine.from_vllm_config(vllm_config, stat_loggers=[recorder])
+    else:
+        engine = LLMEngine.from_engine_args(engine_args, stat_loggers=[recorder])
     preload_adapters(engine, spec.lora_adapters)
     return engine, recorder.latest
 
@@ -129,7 +135,7 @@ def engine_facts(engine: Any) -> EngineFacts:
         num_scheduler_steps=1,
         attention_kernels="vLLM V1",
         max_loras=lora_config.max_loras if lora_config else 0,
-        images_per_prompt=0,
+        images_per_prompt=images.images_per_prompt(model_config),
         async_scheduling=bool(engine.vllm_config.scheduler_config.async_scheduling),
         scheduling_policy=str(engine.vllm_config.scheduler_config.policy),
         cache_config=tuple(engine.vllm_config.cache_config.metrics_info().items()),
@@ -228,11 +234,7 @@ class EngineThread:
                 from vllm.lora.request import LoRARequest
 
                 lora = LoRARequest(*request.adapter)
-            if request.images:
-                raise UnsupportedOnV1(
-                    "images: not served on vllm_engine 'v1' by this backend yet; vllm_engine 'multistep' serves them"
-                )
-            prompt = self._prompt(request)
+            prompt = images.with_images(self._prompt(request), request.images)
             self.engine.add_request(request.request_id, prompt, params, lora_request=lora, priority=request.priority)
         except Exception as error:  # this request alone: refused in vLLM's words (or the stub's)
             self.send(RequestFailed(request.request_id, str(error)))

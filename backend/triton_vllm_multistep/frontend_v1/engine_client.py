@@ -75,7 +75,10 @@ class TritonV1EngineClient(TritonModelState, EngineClient):
         if not isinstance(prompt, Mapping) or "prompt_token_ids" not in prompt:
             raise UnsupportedRequest("only tokenized prompts reach this server's engine client")
         if prompt.get("multi_modal_data") or prompt.get("mm_kwargs"):
-            raise UnsupportedRequest("images are not served for vllm_engine 'v1' models")
+            raise UnsupportedRequest(
+                "images are not served to vllm_engine 'v1' models through the OpenAI API "
+                "(on GPU hosts the model's KServe 'image' input takes them)"
+            )
         lora_name = self._adapters.get(lora_request.lora_name) if lora_request is not None else None
         prompt_ids = list(prompt["prompt_token_ids"])
         request = triton_requests.triton_request(prompt_ids, sampling_params, lora_name, priority)

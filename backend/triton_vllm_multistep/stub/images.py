@@ -5,7 +5,7 @@ a base64-encoded image, opened with PIL and converted to RGB, in order; the enco
 encode_image are interface.py's) and refusing what the model cannot take; must not run the
 model's image processor (engine/multimodal.py hands the images to vLLM's) and runs on the thread
 that decodes requests, never the engine's. What goes on to the engine is each image's file (the
-base64 decoded), which the engine decodes again (engine/multimodal.decode_image): no PIL image
+base64 decoded), which the engine decodes again (interface.decode_image): no PIL image
 crosses to an engine process.
 
 The limits bound what one request can make the server hold: the encoded bytes of each image, its
