@@ -15,7 +15,7 @@ from triton_vllm_multistep.engine.process import (
     NoPythonForEngineProcess,
     python_for_children,
 )
-from triton_vllm_multistep.settings.v1_environment import v1_import_path
+from triton_vllm_multistep.settings.v1_environment import V1_PYTHON_ENV, v1_import_path
 
 
 def test_the_environment_variable_wins(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -68,3 +68,21 @@ def test_the_v1_engine_process_gets_a_source_checkout_on_its_path_but_never_a_si
     assert v1_import_path("/work/checkout/backend") == {"PYTHONPATH": "/work/checkout/backend"}
     assert v1_import_path("/usr/local/lib/python3.10/dist-packages") == {}
     assert v1_import_path("/opt/venv/lib/python3.10/site-packages") == {}
+
+
+def test_the_v1_engine_process_finds_the_v1_environment_as_the_other_v1_processes_do(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The variable (the launcher and the image set it), else the .venv-v1 beside this environment (a
+    tritonserver started without the launcher), else an error saying both."""
+    monkeypatch.setenv(V1_PYTHON_ENV, "/opt/vllm-v1/bin/python")
+    assert EngineProcess(EngineSpec({"model": "m"}, "step"), v1=True)._python == "/opt/vllm-v1/bin/python"
+    monkeypatch.delenv(V1_PYTHON_ENV)
+    beside = tmp_path / ".venv-v1" / "bin" / "python"
+    beside.parent.mkdir(parents=True)
+    beside.write_text("#!/bin/sh\n")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / ".venv"))
+    assert EngineProcess(EngineSpec({"model": "m"}, "step"), v1=True)._python == str(beside)
+    beside.unlink()
+    with pytest.raises(NoPythonForEngineProcess, match=f"{V1_PYTHON_ENV} is not set .* and there is no .venv-v1"):
+        EngineProcess(EngineSpec({"model": "m"}, "step"), v1=True).start_engine()

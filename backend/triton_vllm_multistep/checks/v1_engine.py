@@ -52,12 +52,11 @@ def run_v1_checks(report: SmokeReport, engine_values: dict[str, Any], python: st
     from triton_vllm_multistep.checks.v1_reference import offline_v1_outputs
     from triton_vllm_multistep.engine.events import EngineRequest
     from triton_vllm_multistep.engine.process import EngineProcess, EngineSpec
-    from triton_vllm_multistep.settings.v1_environment import V1_PYTHON_ENV, configured_v1_python
+    from triton_vllm_multistep.settings.v1_environment import configured_v1_python, no_v1_environment
 
     python = python or configured_v1_python()
     if python is None:
-        why = f"no V1 environment: {V1_PYTHON_ENV} is not set (the image sets it) and there is no .venv-v1"
-        report.skip("v1 engine", why)
+        report.skip("v1 engine", no_v1_environment("the V1 checks"))
         return
     requests = [
         EngineRequest(f"{kind}-{i}", (), {**sampling, "output_kind": "DELTA"}, prompt_text=prompt)

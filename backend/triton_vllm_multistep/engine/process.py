@@ -58,7 +58,7 @@ from triton_vllm_multistep.engine.messages import (  # the process's messages, r
     build_failure,
     sender,
 )
-from triton_vllm_multistep.settings.v1_environment import V1_PYTHON_ENV, v1_environment
+from triton_vllm_multistep.settings.v1_environment import configured_v1_python, no_v1_environment, v1_environment
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class EngineProcess:
         # this package alone of the stub's import paths (its own vLLM, numpy and transformers).
         self._v1 = v1
         # None: start_engine raises NoPythonForEngineProcess
-        self._python = python or (os.environ.get(V1_PYTHON_ENV) if v1 else python_for_children())
+        self._python = python or (configured_v1_python() if v1 else python_for_children())
         self._process: subprocess.Popen[bytes] | None = None
         self._connection: Connection | None = None
         self._send_lock = threading.Lock()
@@ -143,10 +143,7 @@ class EngineProcess:
         off or not and imports vLLM while the stub does its own imports (start_engine sends the spec).
         Raises NoPythonForEngineProcess when no Python can start it."""
         if self._python is None and self._v1:
-            raise NoPythonForEngineProcess(
-                f"could not start the V1 engine process: {V1_PYTHON_ENV} is not set (the launcher sets it to the "
-                ".venv-v1 that scripts/setup.sh builds beside .venv)"
-            )
+            raise NoPythonForEngineProcess(no_v1_environment("the V1 engine process"))
         if self._python is None:
             version = f"python{sys.version_info.major}.{sys.version_info.minor}"
             raise NoPythonForEngineProcess(_no_python_message(f"no {version} on PATH and {PYTHON_ENV} is not set"))

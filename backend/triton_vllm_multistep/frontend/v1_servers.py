@@ -26,7 +26,7 @@ import httpx
 
 from triton_vllm_multistep.lifecycle import triton_command
 from triton_vllm_multistep.settings import ModelSettings
-from triton_vllm_multistep.settings.v1_environment import V1_PYTHON_ENV, configured_v1_python, v1_environment
+from triton_vllm_multistep.settings.v1_environment import configured_v1_python, no_v1_environment, v1_environment
 
 logger = logging.getLogger("triton_vllm_multistep.frontend")
 
@@ -110,10 +110,7 @@ def server_argv(
 def v1_python() -> str:
     python = configured_v1_python()
     if python is None:
-        raise V1ServerError(
-            f"vllm_engine 'v1' models need the V1 environment's Python: {V1_PYTHON_ENV} is not set (the launcher "
-            "sets it to the .venv-v1 that scripts/setup.sh builds beside .venv)"
-        )
+        raise V1ServerError(no_v1_environment("a vllm_engine 'v1' model's OpenAI server"))
     return python
 
 

@@ -30,6 +30,14 @@ def configured_v1_python() -> str | None:
     return os.environ.get(V1_PYTHON_ENV) or (str(local) if (local := v1_environment_python()) else None)
 
 
+def no_v1_environment(who: str) -> str:
+    """Why `who` cannot start a V1 process here: no V1 environment's Python configured or beside this one."""
+    return (
+        f"{who} needs the V1 environment's Python: {V1_PYTHON_ENV} is not set (the launcher and the image set it) "
+        "and there is no .venv-v1 beside this environment (scripts/setup.sh builds it)"
+    )
+
+
 def v1_import_path(package_parent: str) -> dict[str, str]:
     """The V1 engine process's PYTHONPATH: the package's folder when it is a source checkout (scripts/
     setup.sh's .venv-v1 has no copy), nothing when it is installed (a site-packages folder would

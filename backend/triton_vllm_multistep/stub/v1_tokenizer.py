@@ -16,7 +16,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
-from triton_vllm_multistep.settings.v1_environment import V1_PYTHON_ENV, configured_v1_python, v1_environment
+from triton_vllm_multistep.settings.v1_environment import configured_v1_python, no_v1_environment, v1_environment
 
 SERVICE_MODULE = "triton_vllm_multistep.engine_v1.tokenizer_service"
 # How long the service may take to import transformers and load the tokenizer.
@@ -30,10 +30,7 @@ class V1TokenizerError(RuntimeError):
 def v1_python() -> str:
     python = configured_v1_python()
     if python is None:
-        raise V1TokenizerError(
-            f"vllm_engine 'v1' on a tokenizer stage needs the V1 environment's Python: {V1_PYTHON_ENV} is not set "
-            "(the launcher sets it to the .venv-v1 that scripts/setup.sh builds beside .venv)"
-        )
+        raise V1TokenizerError(no_v1_environment("vllm_engine 'v1' on a tokenizer stage"))
     return python
 
 
