@@ -888,6 +888,32 @@ def test_the_openai_api_on_a_v1_model_lists_it_and_refuses_in_v1s_words(
     assert unknown.status_code == 404, unknown.text
 
 
+LEFT_STREAM_TOKENS = 1000
+
+
+def test_a_client_that_leaves_a_v1_models_openai_stream_stops_its_request_in_the_engine(
+    v1_server: ServerProcess,
+) -> None:
+    """Streamed /v1/completions of llm_v1 through the launcher's OpenAI API, with this module's other V1
+    engines loaded: a client that leaves after a few chunks stops its request in the engine long before
+    its end (with vLLM's MP executor on CPU its core and worker spun and starved the V1 model's API server
+    for seconds: docs/openai.md; the worker now runs in the core process, engine_v1/cpu_executor.py)."""
+    body = {"model": V1, "prompt": list(PROMPTS[0]), "max_tokens": LEFT_STREAM_TOKENS, "ignore_eos": True}
+    for trial in range(3):
+        before = metric(scrape(v1_server), "vllm:generation_tokens_total", V1) or 0.0
+        with requests.post(
+            f"{v1_server.openai_url}/v1/completions", json={**body, "stream": True}, stream=True, timeout=60
+        ) as response:
+            lines = response.iter_lines()
+            received = [next(lines) for _ in range(6)]
+            assert all(line.startswith(b"data:") or not line for line in received), received
+        # Leaving the block closed the connection mid-stream.
+        assert wait_for(lambda: metric(scrape(v1_server), "vllm:num_requests_running", V1) == 0, 30), trial
+        time.sleep(1.0)
+        generated = (metric(scrape(v1_server), "vllm:generation_tokens_total", V1) or 0.0) - before
+        assert 0 < generated < LEFT_STREAM_TOKENS, (trial, generated)
+
+
 def test_a_v1_engine_core_that_dies_fails_its_requests_and_its_model_alone_and_the_probe_says_so(
     v1_server: ServerProcess,
 ) -> None:
