@@ -18,7 +18,6 @@ from typing import Any
 
 from triton_vllm_multistep.checks.collector import EventCollector
 from triton_vllm_multistep.checks.report import SmokeReport
-from triton_vllm_multistep.checks.v1_images import run_v1_image_checks
 
 PROMPTS = ("The capital of France is", "Three colours of the rainbow are")
 MAX_TOKENS = 16
@@ -74,17 +73,11 @@ def run_v1_checks(report: SmokeReport, engine_values: dict[str, Any], python: st
             "torch_threads": process.torch_threads,
         }
         report.check("v1 engine process builds", True, f"{facts.model}, async scheduling {facts.async_scheduling}")
-        collector = EventCollector(expected=len(requests))
-        process.serve(collector.sink)
-        for request in requests:
-            process.submit(request)
-        ended = collector.done.wait(WAIT_SECONDS)
+        collector, ended = stream_in_one_batch(process, requests)
     finally:
         process.stop()
-    if not report.check("v1 requests end", ended and not collector.failed, f"failed: {collector.failed}"):
+    if not streamed_per_step(report, "v1", collector, ended):
         return
-    per_step = collector.steps_per_output
-    report.check("v1 streams one output per decoded step", per_step == {1}, f"tokens per output: {sorted(per_step)}")
     fields = {key: value for key, value in engine_values.items() if value is not None}
     offline = offline_v1_outputs(Path(python), fields, [(r.request_id, r.prompt_text, r.sampling) for r in requests])
     for request in requests:
@@ -94,4 +87,26 @@ def run_v1_checks(report: SmokeReport, engine_values: dict[str, Any], python: st
         report.check(f"v1 {rid} equals V1's offline LLM", same, f"{len(ids)} tokens, text {text!r}")
     from vllm.platforms import current_platform  # this environment's vLLM: the host's platform
 
+    from triton_vllm_multistep.checks.v1_images import run_v1_image_checks
+
     run_v1_image_checks(report, engine_values, python, on_cpu=current_platform.is_cpu())
+
+
+def stream_in_one_batch(process: Any, requests: list[Any]) -> tuple[EventCollector, bool]:
+    """`requests` submitted to a built V1 engine process at once; its events, and whether every request ended."""
+    collector = EventCollector(expected=len(requests))
+    process.serve(collector.sink)
+    for request in requests:
+        process.submit(request)
+    return collector, collector.done.wait(WAIT_SECONDS)
+
+
+def streamed_per_step(report: SmokeReport, what: str, collector: EventCollector, ended: bool) -> bool:
+    """The checks of every V1 batch: each request ended, one output per decoded step; False when they did not end."""
+    if not report.check(f"{what} requests end", ended and not collector.failed, f"failed: {collector.failed}"):
+        return False
+    per_step = collector.steps_per_output
+    report.check(
+        f"{what} streams one output per decoded step", per_step == {1}, f"tokens per output: {sorted(per_step)}"
+    )
+    return True

@@ -13,12 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from triton_vllm_multistep.checks.collector import EventCollector
 from triton_vllm_multistep.checks.report import SmokeReport
+from triton_vllm_multistep.checks.v1_engine import stream_in_one_batch, streamed_per_step
 
 MAX_TOKENS = 12
 GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
-WAIT_SECONDS = 600.0  # a first GPU step may compile kernels
 CPU_REFUSAL = "serves it on GPU hosts only"  # engine_v1/process.py refuse_image_models_on_cpu
 
 
@@ -68,19 +67,11 @@ def run_v1_image_checks(report: SmokeReport, engine_values: dict[str, Any], pyth
             report.check("v1 image model is a load error on CPU", False, "it loaded on a CPU host")
             return
         report.check("v1 image engine process builds", True, str(model_dir))
-        collector = EventCollector(expected=len(requests))
-        process.serve(collector.sink)
-        for request in requests:
-            process.submit(request)
-        ended = collector.done.wait(WAIT_SECONDS)
+        collector, ended = stream_in_one_batch(process, requests)
     finally:
         process.stop()
-    if not report.check("v1 image requests end", ended and not collector.failed, f"failed: {collector.failed}"):
+    if not streamed_per_step(report, "v1 image", collector, ended):
         return
-    per_step = collector.steps_per_output
-    report.check(
-        "v1 image requests stream one output per step", per_step == {1}, f"tokens per output: {sorted(per_step)}"
-    )
     fields = {key: value for key, value in values.items() if value is not None}
     offline = offline_v1_outputs(
         Path(python),
