@@ -238,3 +238,14 @@ def test_an_embedding_request_of_either_api_is_one_the_model_reads_back_as_sent(
     assert back.prompt_token_ids == [5, 6, 7] and back.priority == 3 and back.returns.num_input_tokens
     assert back.pooling == ({} if dimensions is None else {"dimensions": dimensions})
     assert triton_stream.embedding_vector({"text_output": ["[0.25, -1.5]"]}) == [0.25, -1.5]
+
+
+def test_both_engine_clients_take_a_tokenized_prompt_and_refuse_what_they_cannot_serve() -> None:
+    """triton_stream.tokenized_prompt (both OpenAI servers' engine clients): the ids, or a 400 saying why."""
+    assert triton_stream.tokenized_prompt({"prompt_token_ids": (4, 5)}) == [4, 5]
+    assert triton_stream.tokenized_prompt({"prompt_token_ids": [4]}, lora_request=object()) == [4]  # generation
+    with pytest.raises(triton_stream.UnsupportedRequest, match="only tokenized prompts"):
+        triton_stream.tokenized_prompt({"prompt": "text"})
+    with pytest.raises(triton_stream.UnsupportedRequest, match="LoRA adapters are not served for embedding"):
+        triton_stream.tokenized_prompt({"prompt_token_ids": [4]}, lora_request=object(), embedding=True)
+    assert triton_requests.UnsupportedRequest is triton_stream.UnsupportedRequest  # vLLM answers it with a 400

@@ -22,6 +22,10 @@ IMAGE_CHECKS = (
 )
 
 
+# What the image sections set over the config's engine arguments, besides the model (both engines' sections).
+IMAGE_ENGINE_ARGS = {"max_model_len": 512, "limit_mm_per_prompt": {"image": 2}, "enable_lora": False}
+
+
 def image_requests(model_dir: Path) -> dict[str, tuple[list[int], list[Any]]]:
     """request id → (prompt ids with the model's `<image>` placeholders, images)."""
     from transformers import AutoTokenizer
@@ -55,9 +59,7 @@ def run_image_checks(report: SmokeReport, engine_args: Any, user_threads: dict[s
         engine_args,
         model=str(model_dir),
         tokenizer=str(model_dir),
-        max_model_len=512,
-        limit_mm_per_prompt={"image": 2},
-        enable_lora=False,
+        **IMAGE_ENGINE_ARGS,
     )
     requests = image_requests(model_dir)
     max_tokens = engine_args.num_scheduler_steps + 4  # a prefill step, a whole window and a partial one

@@ -80,11 +80,7 @@ def run_v1_checks(report: SmokeReport, engine_values: dict[str, Any], python: st
         return
     fields = {key: value for key, value in engine_values.items() if value is not None}
     offline = offline_v1_outputs(Path(python), fields, [(r.request_id, r.prompt_text, r.sampling) for r in requests])
-    for request in requests:
-        rid = request.request_id
-        ids, text = offline[rid]
-        same = collector.tokens.get(rid) == ids and collector.texts.get(rid) == text
-        report.check(f"v1 {rid} equals V1's offline LLM", same, f"{len(ids)} tokens, text {text!r}")
+    equal_to_offline(report, collector, offline, "V1's offline LLM")
     from vllm.platforms import current_platform  # this environment's vLLM: the host's platform
 
     from triton_vllm_multistep.checks.v1_images import run_v1_image_checks
@@ -110,3 +106,12 @@ def streamed_per_step(report: SmokeReport, what: str, collector: EventCollector,
         f"{what} streams one output per decoded step", per_step == {1}, f"tokens per output: {sorted(per_step)}"
     )
     return True
+
+
+def equal_to_offline(
+    report: SmokeReport, collector: EventCollector, offline: dict[str, tuple[list[int], str]], reference: str
+) -> None:
+    """One check per request: its streamed ids and text equal `offline`'s (request id → V1's offline answer)."""
+    for rid, (ids, text) in offline.items():
+        same = collector.tokens.get(rid) == ids and collector.texts.get(rid) == text
+        report.check(f"v1 {rid} equals {reference}", same, f"{len(ids)} tokens, text {text!r}")

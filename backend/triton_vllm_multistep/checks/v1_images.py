@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from triton_vllm_multistep.checks.report import SmokeReport
-from triton_vllm_multistep.checks.v1_engine import stream_in_one_batch, streamed_per_step
+from triton_vllm_multistep.checks.v1_engine import equal_to_offline, stream_in_one_batch, streamed_per_step
 
 MAX_TOKENS = 12
 GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
@@ -22,15 +22,10 @@ CPU_REFUSAL = "serves it on GPU hosts only"  # engine_v1/process.py refuse_image
 
 
 def image_engine_values(engine_values: dict[str, Any], model_dir: Path) -> dict[str, Any]:
-    """The V1 engine arguments with the image model in place of the user's (what the multi-step image section sets)."""
-    return {
-        **engine_values,
-        "model": str(model_dir),
-        "tokenizer": str(model_dir),
-        "max_model_len": 512,
-        "limit_mm_per_prompt": {"image": 2},
-        "enable_lora": False,
-    }
+    """The V1 engine arguments with the image model in place of the user's, as the multi-step section sets them."""
+    from triton_vllm_multistep.checks.images import IMAGE_ENGINE_ARGS
+
+    return {**engine_values, "model": str(model_dir), "tokenizer": str(model_dir), **IMAGE_ENGINE_ARGS}
 
 
 def run_v1_image_checks(report: SmokeReport, engine_values: dict[str, Any], python: str, on_cpu: bool) -> None:
@@ -79,9 +74,6 @@ def run_v1_image_checks(report: SmokeReport, engine_values: dict[str, Any], pyth
         [(rid, list(ids), GREEDY) for rid, (ids, _) in prompts.items()],
         images={rid: files for rid, (_, files) in prompts.items()},
     )
-    for rid in prompts:
-        ids, text = offline[rid]
-        same = collector.tokens.get(rid) == ids and collector.texts.get(rid) == text
-        report.check(f"v1 {rid} equals V1's offline LLM with its images", same, f"{len(ids)} tokens, text {text!r}")
+    equal_to_offline(report, collector, offline, "V1's offline LLM with its images")
     answers = {tuple(collector.tokens.get(rid, ())) for rid in prompts}
     report.check("v1: the image changes the answer", len(answers) == len(prompts), f"{len(answers)} distinct answers")

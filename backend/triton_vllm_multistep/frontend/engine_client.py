@@ -26,6 +26,8 @@ from triton_vllm_multistep.frontend import triton_requests
 from triton_vllm_multistep.frontend.triton_stream import (
     ModelStreams,
     TritonModelState,
+    UnsupportedRequest,
+    tokenized_prompt,
 )
 from triton_vllm_multistep.interface import NUM_OUTPUT_TOKENS, encode_image
 
@@ -66,17 +68,15 @@ class TritonEngineClient(TritonModelState, EngineClient):
         priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Checks the request (a ValueError here is vLLM's 400), then returns its stream of outputs."""
-        if not isinstance(prompt, Mapping) or "prompt_token_ids" not in prompt:
-            raise triton_requests.UnsupportedRequest("only tokenized prompts reach this server's engine client")
+        prompt_ids = tokenized_prompt(prompt)
         media = dict(prompt.get("multi_modal_data") or {})
         images = media.pop("image", [])  # vLLM's modality name
         images = images if isinstance(images, list) else [images]
         if media:
-            raise triton_requests.UnsupportedRequest(f"{', '.join(sorted(media))} input is not served (images are)")
+            raise UnsupportedRequest(f"{', '.join(sorted(media))} input is not served (images are)")
         if prompt_adapter_request is not None:
-            raise triton_requests.UnsupportedRequest("prompt adapters are not served")
+            raise UnsupportedRequest("prompt adapters are not served")
         lora_name = self._adapters.get(lora_request.lora_name) if lora_request is not None else None
-        prompt_ids = list(prompt["prompt_token_ids"])
         completions = sampling_params._real_n or sampling_params.n
         return self._stream(request_id, prompt_ids, sampling_params, lora_name, images, completions, priority)
 
@@ -124,7 +124,7 @@ class TritonEngineClient(TritonModelState, EngineClient):
         return self._tokenizer
 
     async def get_input_preprocessor(self) -> Any:
-        raise triton_requests.UnsupportedRequest("beam search is not served (use n / best_of)")
+        raise UnsupportedRequest("beam search is not served (use n / best_of)")
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
         if lora_request.lora_name not in self._adapters:
@@ -148,11 +148,7 @@ class TritonEngineClient(TritonModelState, EngineClient):
         priority: int = 0,
     ) -> AsyncGenerator[PoolingRequestOutput, None]:
         """An embedding model's request (vLLM's embedding serving code): one vector for a tokenized prompt."""
-        if not isinstance(prompt, Mapping) or "prompt_token_ids" not in prompt:
-            raise triton_requests.UnsupportedRequest("only tokenized prompts reach this server's engine client")
-        if lora_request is not None:
-            raise triton_requests.UnsupportedRequest("LoRA adapters are not served for embedding models")
-        prompt_ids = list(prompt["prompt_token_ids"])
+        prompt_ids = tokenized_prompt(prompt, lora_request, embedding=True)
         return self._pooled(request_id, prompt_ids, pooling_params.dimensions, priority)
 
     async def _pooled(

@@ -17,6 +17,7 @@ from vllm.sequence import Logprob
 
 from triton_vllm_multistep.frontend.triton_stream import (
     TritonRequest,
+    UnsupportedRequest,
     changed_fields,
     generation_request,
     logprob_objects,
@@ -30,10 +31,6 @@ from triton_vllm_multistep.interface import (
 # Beside triton_stream's SENT_SAMPLING_FIELDS, `n`/`best_of` and `guided_decoding` are sent on their
 # own; `truncate_prompt_tokens` is applied by vLLM's serving code before the prompt gets here.
 _DEFAULTS = SamplingParams()
-
-
-class UnsupportedRequest(ValueError):
-    """What vLLM's serving code asked for that this path cannot give; vLLM answers it with a 400."""
 
 
 def sampling_parameters(params: SamplingParams, lora_name: str | None = None) -> dict[str, Any]:

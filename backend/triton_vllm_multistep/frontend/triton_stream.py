@@ -77,6 +77,20 @@ SENT_SAMPLING_FIELDS = (
 )
 
 
+class UnsupportedRequest(ValueError):
+    """What vLLM's serving code asked for that this path cannot give; vLLM answers it with a 400."""
+
+
+def tokenized_prompt(prompt: Any, lora_request: Any = None, embedding: bool = False) -> list[int]:
+    """The token ids of what vLLM's serving code hands an engine client (it tokenizes every prompt first);
+    an embedding request with a LoRA adapter is refused (adapters are served for generation only)."""
+    if not isinstance(prompt, Mapping) or "prompt_token_ids" not in prompt:
+        raise UnsupportedRequest("only tokenized prompts reach this server's engine client")
+    if embedding and lora_request is not None:
+        raise UnsupportedRequest("LoRA adapters are not served for embedding models")
+    return list(prompt["prompt_token_ids"])
+
+
 def changed_fields(params: Any, defaults: Any) -> dict[str, Any]:
     """SENT_SAMPLING_FIELDS of `params` that differ from `defaults` (vLLM's SamplingParams()), as
     JSON values (logit_bias keys as text)."""

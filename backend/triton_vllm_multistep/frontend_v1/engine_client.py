@@ -28,9 +28,11 @@ from triton_vllm_multistep.frontend.errors import EngineUnavailable
 from triton_vllm_multistep.frontend.triton_stream import (
     ModelStreams,
     TritonModelState,
+    UnsupportedRequest,
+    tokenized_prompt,
 )
 from triton_vllm_multistep.frontend_v1 import triton_requests
-from triton_vllm_multistep.frontend_v1.triton_requests import UnsupportedRequest, new_parts
+from triton_vllm_multistep.frontend_v1.triton_requests import new_parts
 from triton_vllm_multistep.interface import NUM_OUTPUT_TOKENS
 
 # The pooling task an embedding model serves here: Triton's vLLM backend's `embedding_request`.
@@ -72,15 +74,13 @@ class TritonV1EngineClient(TritonModelState, EngineClient):
         **_engine_options: Any,  # tracing, sessions, data-parallel ranks, reasoning hints: the engine's own
     ) -> AsyncGenerator[RequestOutput, None]:
         """Checks the request (a ValueError here is vLLM's 400), then returns its stream of outputs."""
-        if not isinstance(prompt, Mapping) or "prompt_token_ids" not in prompt:
-            raise UnsupportedRequest("only tokenized prompts reach this server's engine client")
+        prompt_ids = tokenized_prompt(prompt)
         if prompt.get("multi_modal_data") or prompt.get("mm_kwargs"):
             raise UnsupportedRequest(
                 "images are not served to vllm_engine 'v1' models through the OpenAI API "
                 "(on GPU hosts the model's KServe 'image' input takes them)"
             )
         lora_name = self._adapters.get(lora_request.lora_name) if lora_request is not None else None
-        prompt_ids = list(prompt["prompt_token_ids"])
         request = triton_requests.triton_request(prompt_ids, sampling_params, lora_name, priority)
         text = prompt_text if prompt_text is not None else prompt.get("prompt")
         return self._stream(request_id, prompt_ids, request, sampling_params, text)
@@ -119,10 +119,7 @@ class TritonV1EngineClient(TritonModelState, EngineClient):
         """An embedding model's request (vLLM 0.32's pooling serving code, its parameters verified against
         the model): one vector for a tokenized prompt. What `embedding_request` cannot carry (another
         pooling task, `use_activation` other than the model's own) is refused by name, never dropped."""
-        if not isinstance(prompt, Mapping) or "prompt_token_ids" not in prompt:
-            raise UnsupportedRequest("only tokenized prompts reach this server's engine client")
-        if lora_request is not None:
-            raise UnsupportedRequest("LoRA adapters are not served for embedding models")
+        prompt_ids = tokenized_prompt(prompt, lora_request, embedding=True)
         if pooling_params.task != EMBED:
             raise UnsupportedRequest(f"pooling task {pooling_params.task!r} is not served (this API serves 'embed')")
         models_own = PoolingParams(task=EMBED)
@@ -132,7 +129,6 @@ class TritonV1EngineClient(TritonModelState, EngineClient):
                 f"use_activation {pooling_params.use_activation!r} is not served through this API "
                 f"(the model's own: {models_own.use_activation!r})"
             )
-        prompt_ids = list(prompt["prompt_token_ids"])
         return self._pooled(request_id, prompt_ids, pooling_params.dimensions, priority)
 
     async def _pooled(

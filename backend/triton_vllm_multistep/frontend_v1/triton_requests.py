@@ -18,6 +18,7 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 from triton_vllm_multistep.frontend.triton_stream import (
     SENT_SAMPLING_FIELDS,
     TritonRequest,
+    UnsupportedRequest,
     changed_fields,
     generation_request,
     logprob_objects,
@@ -37,10 +38,6 @@ DERIVED_FIELDS = {
     or params.prompt_logprob_token_ids is not None,
 }
 _DEFAULTS = SamplingParams()
-
-
-class UnsupportedRequest(ValueError):
-    """What vLLM's serving code asked for that this path cannot give; vLLM answers it with a 400."""
 
 
 def sampling_parameters(params: SamplingParams, lora_name: str | None = None) -> dict[str, Any]:
