@@ -62,9 +62,12 @@ from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.engine import cpu_placement
 from triton_vllm_multistep.engine_v1.cpu_compile_cache import AOT_COMPILE_ENV
 from triton_vllm_multistep.host import probe
+from triton_vllm_multistep.output_tap import TAP_KEY_PARAMETER, TAP_SOCKET_PARAMETER
 from triton_vllm_multistep.settings.v1_environment import v1_environment_python
+from triton_vllm_multistep.stub import tap_writer
 from triton_vllm_multistep.testing import smollm3, vllm_serve
 from triton_vllm_multistep.testing.local_server import ServerProcess, copy_model, free_ports
+from triton_vllm_multistep.testing.output_tap import TapThread
 from triton_vllm_multistep.testing.vllm_serve import openai_chat, openai_completion
 
 V1 = "llm_v1"
@@ -837,6 +840,38 @@ def test_the_openai_api_serves_a_v1_model_with_vllm_serves_tokens_whole_and_one_
         assert (whole_ids, whole_text) == (list(served_ids), served_text), i
         streamed_ids, streamed_text, chunks = openai_completion(v1_server.openai_url, V1, ids, sampling, stream=True)
         assert (streamed_ids, streamed_text) == (whole_ids, whole_text) and chunks == TOKENS, (i, chunks)
+    # Its model's stub wrote the data responses to the OpenAI server's output tap (output_tap.py).
+    assert tap_writer.CONNECTED_MESSAGE in v1_server.log_path.read_text(errors="replace")
+
+
+@pytest.mark.parametrize(("kind", "sampling"), [("greedy", GREEDY), ("seeded", SEEDED)])
+def test_a_stream_that_names_an_output_tap_gets_its_data_there_and_only_its_final_through_triton(
+    v1_server: ServerProcess, reference: dict[str, tuple[list[int], str]], kind: str, sampling: dict
+) -> None:
+    """KServe gRPC through tritonserver 2.51 with the tap's request parameters (as the OpenAI servers send
+    them): one tap entry per step with `vllm serve`'s tokens and text, the last one final, and Triton's
+    stream only the empty FINAL; a tap nobody answers at leaves the responses to Triton, unchanged."""
+    tap = TapThread()
+    try:
+        for i, ids in enumerate(PROMPTS[:2]):
+            served_ids, served_text = reference[f"{kind}-{i}"]
+            inbox = tap.inbox(f"{kind}-{i}")
+            asked = {TAP_SOCKET_PARAMETER: tap.path, TAP_KEY_PARAMETER: f"{kind}-{i}"}
+            result = grpc_generate(
+                v1_server.grpc_url, V1, input_ids=list(ids), sampling=sampling, stream=True, parameters=asked
+            )
+            assert result.error is None and result.finals == 1 and not result.data_responses, result.error
+            items = tap.until_final(inbox)
+            assert [len(item.values["output_ids"]) for item in items] == [1] * TOKENS  # one per step
+            assert [token for item in items for token in item.values["output_ids"]] == list(served_ids)
+            assert b"".join(item.values["text_output"][0] for item in items).decode() == served_text
+        nobody = {TAP_SOCKET_PARAMETER: f"{tap.path}.absent", TAP_KEY_PARAMETER: "k"}
+        result = grpc_generate(
+            v1_server.grpc_url, V1, input_ids=list(PROMPTS[0]), sampling=sampling, stream=True, parameters=nobody
+        )
+        assert result.error is None and result.token_ids() == reference[f"{kind}-0"][0]
+    finally:
+        tap.close()
 
 
 def completions_of(result: Any, n: int) -> list[tuple[list[int], str]]:

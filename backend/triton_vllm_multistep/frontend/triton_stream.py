@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any
@@ -26,6 +27,7 @@ from tritonclient.grpc._utils import get_error_grpc
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from triton_vllm_multistep.frontend.errors import EngineUnavailable, is_unavailable
+from triton_vllm_multistep.frontend.tap_listener import OutputTap, TapItem
 from triton_vllm_multistep.interface import (
     DIMENSIONS_FIELD,
     EMBEDDING_INPUT_FIELD,
@@ -48,6 +50,7 @@ from triton_vllm_multistep.interface import (
     STREAM,
     TEXT_OUTPUT,
 )
+from triton_vllm_multistep.output_tap import TAP_KEY_PARAMETER, TAP_SOCKET_PARAMETER
 
 logger = logging.getLogger("triton_vllm_multistep.frontend")
 
@@ -344,16 +347,61 @@ async def _one(message: Any) -> AsyncGenerator[Any, None]:
     yield message
 
 
+@dataclasses.dataclass(frozen=True)
+class _StreamData:
+    values: dict[str, list[Any]]
+
+
+class _StreamFinal:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class _StreamError:
+    message: str
+
+
+async def _read_stream(responses: Any, inbox: asyncio.Queue[Any]) -> None:
+    """A tapped request's gRPC stream into its inbox: data responses (when the stub did not use the
+    tap), the FINAL, or the error; read to the stream's end, which the server makes after the FINAL."""
+    ended = False
+    try:
+        async for response in responses:
+            if response.error_message:
+                ended = True
+                inbox.put_nowait(_StreamError(response.error_message))
+                continue
+            values = response_values(response.infer_response)
+            if values:
+                inbox.put_nowait(_StreamData(values))
+            final = response.infer_response.parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                ended = True
+                inbox.put_nowait(_StreamFinal())
+    except grpc.RpcError as error:
+        if not ended:
+            inbox.put_nowait(_StreamError(str(get_error_grpc(error))))
+
+
 class ModelStreams:
     """One Triton model's requests over a grpc.aio client (tritonclient's, of either environment)."""
 
     def __init__(self, client: Any, model_name: str) -> None:
         self._client = client
         self.model_name = model_name
+        self._ending: set[asyncio.Future[Any]] = set()  # tapped streams read to their FINAL after their answer
 
-    async def responses(self, request_id: str, request: TritonRequest) -> AsyncGenerator[dict[str, list[Any]], None]:
+    async def responses(
+        self, request_id: str, request: TritonRequest, tap: OutputTap | None = None
+    ) -> AsyncGenerator[dict[str, list[Any]], None]:
         """One gRPC stream to the model: each response's output values, until its FINAL. A request's
-        error is raised as ValueError (a bad request) or EngineUnavailable (the model cannot serve now)."""
+        error is raised as ValueError (a bad request) or EngineUnavailable (the model cannot serve now).
+        With a started `tap`, the stub sends the data responses there (output_tap.py)."""
+        if tap is not None and tap.path is not None:
+            async with aclosing(self._tapped(request_id, request, tap)) as tapped:
+                async for values in tapped:
+                    yield values
+            return
         responses = self._client._client_stub.ModelStreamInfer(_one(self._request_message(request_id, request)))
         answered = False  # the model's FINAL (or its error) came: the server ends the stream itself
         try:
@@ -373,6 +421,58 @@ class ModelStreams:
             # Unanswered: the HTTP client went away (vLLM's serving code was cancelled) or stopped
             # reading; cancelling the gRPC stream makes the backend abort the request in the engine.
             await end_stream(responses, answered)
+
+    async def _tapped(
+        self, request_id: str, request: TritonRequest, tap: OutputTap
+    ) -> AsyncGenerator[dict[str, list[Any]], None]:
+        """`responses` through the tap: the data responses from the tap's inbox (or from the gRPC stream,
+        when the stub could not reach the tap), the FINAL or an error from the gRPC stream."""
+        key = uuid.uuid4().hex
+        inbox = tap.open(key)
+        message = self._request_message(request_id, request)
+        message.parameters[TAP_SOCKET_PARAMETER].string_param = tap.path
+        message.parameters[TAP_KEY_PARAMETER].string_param = key
+        responses = self._client._client_stub.ModelStreamInfer(_one(message))
+        reader = asyncio.ensure_future(_read_stream(responses, inbox))
+        answered = False  # the last data response (or an error) came: the server ends the stream itself
+        try:
+            through_triton = False  # data responses came by gRPC: the stub did not use the tap
+            final_seen = False
+            while True:
+                if final_seen:  # Triton's FINAL overtook the tap's last data response
+                    try:
+                        item = await asyncio.wait_for(inbox.get(), STREAM_END_SECONDS)
+                    except TimeoutError:
+                        raise EngineUnavailable(
+                            f"model {self.model_name} ended the request, but its last response never reached "
+                            "this server's output tap"
+                        ) from None
+                else:
+                    item = await inbox.get()
+                if isinstance(item, TapItem):
+                    yield item.values
+                    if item.final:
+                        answered = True
+                        return
+                elif isinstance(item, _StreamData):
+                    through_triton = True
+                    yield item.values
+                elif isinstance(item, _StreamFinal):
+                    answered = final_seen = True
+                    if through_triton:
+                        return
+                else:
+                    answered = True
+                    raise await self.request_error(item.message)
+        finally:
+            tap.forget(key)
+            if answered:  # the FINAL comes (or came): read to it in the background, never cancel
+                self._ending.add(reader)
+                reader.add_done_callback(self._ending.discard)
+            else:  # the client went away: cancelling the stream aborts the request in the engine
+                responses.cancel()
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
 
     async def embeddings(
         self, request_id: str, prompt_token_ids: Sequence[int], dimensions: int | None, priority: int

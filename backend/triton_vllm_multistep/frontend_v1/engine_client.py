@@ -25,6 +25,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.engine.input_processor import InputProcessor
 
 from triton_vllm_multistep.frontend.errors import EngineUnavailable
+from triton_vllm_multistep.frontend.tap_listener import OutputTap
 from triton_vllm_multistep.frontend.triton_stream import (
     ModelStreams,
     TritonModelState,
@@ -48,8 +49,16 @@ class TritonV1EngineClient(TritonModelState, EngineClient):
     """vLLM 0.32's EngineClient over one Triton model; `adapters` maps the names its LoRA adapters are
     served under to their names in its multi_lora.json."""
 
-    def __init__(self, client: Any, model_name: str, vllm_config: Any, adapters: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        client: Any,
+        model_name: str,
+        vllm_config: Any,
+        adapters: Mapping[str, str],
+        tap: OutputTap | None = None,
+    ) -> None:
         self._streams = ModelStreams(client, model_name)
+        self._tap = tap  # where the model's stub sends the data responses, when it can (output_tap.py)
         self.model_name = model_name
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
@@ -91,7 +100,7 @@ class TritonV1EngineClient(TritonModelState, EngineClient):
         streamed = params.output_kind == RequestOutputKind.DELTA
         first = streamed  # streamed answers echo the prompt's text
         finish_sent: set[int] = set()
-        async with aclosing(self._streams.responses(request_id, request)) as responses:
+        async with aclosing(self._streams.responses(request_id, request, self._tap)) as responses:
             async for values in responses:
                 if NUM_OUTPUT_TOKENS in values:  # a data response (the empty FINAL has none)
                     output = triton_requests.request_output(request_id, prompt_ids, values, params.n)

@@ -45,13 +45,19 @@ async def serve(args: argparse.Namespace) -> None:
     from vllm.entrypoints.launchers.api_server.entry import build_and_serve
     from vllm.entrypoints.launchers.launcher import setup_server
 
+    from triton_vllm_multistep.frontend.tap_listener import OutputTap, tap_wanted
     from triton_vllm_multistep.frontend_v1.engine_client import TritonV1EngineClient, engine_config
 
     client = grpcclient.InferenceServerClient(args.grpc_url)
+    # The model's stub writes this server's requests' data responses to its tap when it can reach it
+    # (the same host), otherwise sends them through Triton: either way they are read.
+    tap = OutputTap()
     try:
+        if tap_wanted():
+            await tap.start()
         engine_args: dict[str, Any] = json.loads(args.engine_args)
         engine_client = TritonV1EngineClient(
-            client, args.triton_model, engine_config(engine_args), json.loads(args.adapters)
+            client, args.triton_model, engine_config(engine_args), json.loads(args.adapters), tap
         )
         listen_address, sock = setup_server(args, reuse_port=False)
         try:
@@ -60,6 +66,7 @@ async def serve(args: argparse.Namespace) -> None:
         finally:
             sock.close()
     finally:
+        await tap.close()
         await client.close()
 
 

@@ -52,6 +52,13 @@ from triton_vllm_multistep.interface import (
     unsupported_task_message,
 )
 from triton_vllm_multistep.interface import SAMPLING_PARAMETERS as SAMPLING_TENSOR
+from triton_vllm_multistep.output_tap import (
+    TAP_PARAMETERS,
+    TAP_SOCKET_PARAMETER,
+    TapAddress,
+    TapRequestError,
+    tap_address,
+)
 from triton_vllm_multistep.settings.backend import MAX_STREAM_INTERVAL, Limits
 from triton_vllm_multistep.settings.lora import Adapter
 from triton_vllm_multistep.stub.detokenization import text_window
@@ -181,7 +188,7 @@ CONSTRAINT_OPTIONS = ("backend", "whitespace_pattern")
 GUIDED_BACKENDS = ("auto", "xgrammar", "outlines", "lm-format-enforcer", "guidance")
 # Keys Triton or its clients put in request parameters that are not sampling fields.
 TRITON_RESERVED_PARAMETERS = frozenset(
-    {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers", "stream"}
+    {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers", "stream", *TAP_PARAMETERS}
 )
 MAX_SEED = 2**63 - 1
 REQUEST_PARAMETERS = "parameters"  # how errors name a field that came from the request parameters
@@ -224,6 +231,8 @@ class GenerationRequest:
     # `sampling_params` as plain values (EngineRequest.sampling): vLLM field name → JSON value.
     sampling: dict[str, Any] = field(default_factory=dict)
     priority: int = 0  # vLLM's request priority (lower first)
+    # Where its data responses go instead of Triton (output_tap.py), when an OpenAI server asked.
+    tap: TapAddress | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -542,7 +551,13 @@ def decode_request(
             log_detail=f"{model.served_name} serves {' and '.join(model.tasks)} requests; an '{EMBED_TASK}' "
             f"request is one with the input '{EMBEDDING_REQUEST}'",
         )
+    try:
+        tap = tap_address(parameters_json)
+    except TapRequestError as error:
+        raise RequestError(str(error)) from None
     if task == EMBED_TASK:
+        if tap is not None:
+            raise RequestError(f"an embedding request has one response: '{TAP_SOCKET_PARAMETER}' is for generation")
         return decode_embedding_request(inputs, model, encode, outputs)
     images: tuple[bytes, ...] = ()
     if IMAGE_INPUT in inputs:
@@ -629,6 +644,7 @@ def decode_request(
         images=images,
         sampling=plain_sampling,
         priority=priority,
+        tap=tap,
     )
 
 

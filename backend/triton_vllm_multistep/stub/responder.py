@@ -18,7 +18,7 @@ from typing import Any
 from triton_vllm_multistep.engine.deltas import merge_deltas
 from triton_vllm_multistep.engine.events import EngineDied, EngineEvent, EngineOutput, RequestFailed, StepOutputs
 from triton_vllm_multistep.lifecycle.protocol import ENSEMBLE_CATCH_UP_SECONDS
-from triton_vllm_multistep.stub import codec, triton_io
+from triton_vllm_multistep.stub import codec, tap_writer, triton_io
 from triton_vllm_multistep.stub.stream_merge import AdaptiveInterval
 
 logger = logging.getLogger(__name__)
@@ -171,6 +171,16 @@ class RequestState:
     # one delta output standing for `held_outputs` engine outputs.
     held: EngineOutput | None = None
     held_outputs: int = 0
+    # The output tap connection its responses take (tap_writer.py), decided at its first response;
+    # None: Triton's.
+    tap_connection: int | None = None
+
+
+@dataclass(frozen=True)
+class TappedResponse:
+    """A data response for the request's output tap: its output values, plain."""
+
+    values: dict[str, list[Any]]
 
 
 class Responder:
@@ -206,6 +216,7 @@ class Responder:
         self._lock = threading.Lock()
         self._events = EventQueue(max_queued_steps)
         self._final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        self._taps = tap_writer.TapWriters()  # this thread's connections to OpenAI servers' output taps
         # Called on this thread once the errors of an engine failure are sent (not on stop()).
         self.after_engine_death: Callable[[str], None] | None = None
         # Called on this thread every turn of its loop (stub/heartbeat.py: sets its gauge when due).
@@ -324,6 +335,7 @@ class Responder:
             self._serve_events()
         finally:
             self._events.close()  # however this thread ends, the engine thread must not wait on it
+            self._taps.close()
 
     def _serve_events(self) -> None:
         last_sweep = time.monotonic()
@@ -460,8 +472,16 @@ class Responder:
                 if state.timing is not None:
                     state.timing.prompt_tokens = state.request.engine_prompt_tokens
             try:
+                tapped = self._tapped(state)
                 arrays = codec.encode_response(output, state.request, state.first, self.window_decode)
-                response = triton_io.response(self._pb, arrays)
+                if tapped:
+                    response: Any = TappedResponse(tap_writer.plain_values(arrays))
+                else:
+                    response = triton_io.response(self._pb, arrays)
+            except OSError as error:  # its output tap's connection failed since its first response
+                self._abort(request_id)
+                self.fail(request_id, str(error), self._pb.TritonError.UNAVAILABLE)
+                continue
             except Exception as error:
                 logger.exception("could not encode response for %s", request_id)
                 self._abort(request_id)
@@ -474,7 +494,12 @@ class Responder:
             ready.append((output, state, response, finished))
         if self._observer is not None:
             self._observe(event, ready)
+        ready = self._write_taps(ready)
         for output, state, response, finished in ready:
+            if isinstance(response, TappedResponse):
+                if not finished:
+                    continue  # its data went to the tap: the FINAL alone goes through Triton
+                response = None
             try:
                 state.sender.send(response, flags=self._final if finished else 0)
             except Exception as error:
@@ -493,6 +518,53 @@ class Responder:
             self._adaptive.observe(len(ready), time.thread_time() - started, event.step_seconds)
         if self._observer is not None and event is not None:
             self._observer.on_step(event, time.perf_counter())
+
+    def _tapped(self, state: RequestState) -> bool:
+        """Whether this response goes to the request's output tap; raises OSError when the connection
+        its earlier responses took has failed since."""
+        tap = getattr(state.request, "tap", None)
+        if tap is None:
+            return False
+        if state.first:
+            state.tap_connection = self._taps.connection(tap.socket)
+            return state.tap_connection is not None
+        if state.tap_connection is None:
+            return False
+        if self._taps.connection_id(tap.socket) != state.tap_connection:
+            raise OSError(f"the connection to output tap {tap.socket} failed during this request")
+        return True
+
+    def _write_taps(
+        self, ready: list[tuple[EngineOutput, RequestState, Any, bool]]
+    ) -> list[tuple[EngineOutput, RequestState, Any, bool]]:
+        """One frame per tap socket with this step's tapped responses (before any FINAL goes through
+        Triton); the requests of a frame that could not be written fail. Returns what is left to send."""
+        frames: dict[str, list[tuple[str, dict[str, list[Any]], bool]]] = {}
+        for _, state, response, finished in ready:
+            if isinstance(response, TappedResponse):
+                tap = state.request.tap
+                frames.setdefault(tap.socket, []).append((tap.key, response.values, finished))
+        failed: set[str] = set()
+        for path, entries in frames.items():
+            try:
+                self._taps.send(path, entries)
+            except OSError as error:
+                logger.warning("writing to output tap %s failed (%s): ending its requests", path, error)
+                failed.add(path)
+        if not failed:
+            return ready
+        left = []
+        for output, state, response, finished in ready:
+            if isinstance(response, TappedResponse) and state.request.tap.socket in failed:
+                self._abort(output.request_id)
+                with self._lock:
+                    self._states.pop(output.request_id, None)  # a finished one is popped already
+                self._holding.discard(output.request_id)
+                message = f"the OpenAI server's output tap {state.request.tap.socket} failed during this request"
+                self.send_error(state.sender, message, self._pb.TritonError.UNAVAILABLE)
+                continue
+            left.append((output, state, response, finished))
+        return left
 
     def _observe(self, event: StepOutputs | None, ready: list[tuple[EngineOutput, RequestState, Any, bool]]) -> None:
         """Record the responses about to be sent; flush first if any is a FINAL.
