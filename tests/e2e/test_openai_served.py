@@ -31,6 +31,7 @@ from triton_clients import grpc_generate
 
 from triton_vllm_multistep.demo import models as demo_models
 from triton_vllm_multistep.demo import smollm2
+from triton_vllm_multistep.stub import tap_writer
 from triton_vllm_multistep.testing.local_server import ServerProcess
 from triton_vllm_multistep.testing.polling import wait_for
 
@@ -102,6 +103,8 @@ def test_chat_whole_and_streamed_one_chunk_per_step_equal_steps_1_and_kserve(
     assert whole.usage.prompt_tokens == len(ids)
     kserve = grpc_generate(openai_server[0].grpc_url, LLM_MODEL, input_ids=ids, sampling=GREEDY, stream=True)
     assert kserve.error is None and kserve.text() == text
+    # The model's stub wrote the OpenAI server's data responses to its output tap (output_tap.py).
+    assert tap_writer.CONNECTED_MESSAGE in openai_server[0].log_path.read_text(errors="replace")
 
 
 def test_completions_whole_and_streamed_with_stop_seed_n_and_logprobs_equal_steps_1(client: openai.OpenAI) -> None:

@@ -145,3 +145,43 @@ def test_where_vllm_binds_no_threads_the_users_thread_settings_stand() -> None:
     cpu_placement.check_engine_cpus(CPUS, {"OMP_NUM_THREADS": "64"}, threads_bound=False)
     with pytest.raises(cpu_placement.CpuListError, match="names CPUs this server may not run on"):
         cpu_placement.check_engine_cpus((4095,), {}, threads_bound=False)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_vllms_core_threads_that_only_inherited_its_placement_are_moved_off_it_and_openmps_own_are_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process placed as vLLM places its engine core (its main thread on one CPU, threads started
+    after inheriting that), plus a thread placed on a CPU of its own (as OpenMP's): only the inherited
+    ones get this process's CPUs (engine_v1/cpu_executor.py); with CORE_THREADS_ENV=placed none move."""
+    from triton_vllm_multistep.engine_v1 import cpu_executor
+
+    first, second, *_ = sorted(os.sched_getaffinity(0))
+    script = f"""
+import os, sys, threading
+os.sched_setaffinity(0, {{{first}}})
+stop = threading.Event()
+inherited = [threading.Thread(target=stop.wait) for _ in range(2)]
+for thread in inherited:
+    thread.start()
+placed = threading.Event()
+own = threading.Thread(target=lambda: (os.sched_setaffinity(0, {{{second}}}), placed.set(), stop.wait()))
+own.start()
+placed.wait()
+print("ready", flush=True)
+sys.stdin.readline()
+stop.set()
+"""
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        cpus = {first, second}
+        monkeypatch.setenv(cpu_executor.CORE_THREADS_ENV, "placed")
+        assert cpu_executor.free_inherited_threads(child.pid, cpus) == 0
+        monkeypatch.delenv(cpu_executor.CORE_THREADS_ENV)
+        assert cpu_executor.free_inherited_threads(child.pid, cpus) == 2
+        placements = cpu_placement.thread_cpus(child.pid)
+        assert placements.pop(child.pid) == (first,)  # the forward pass's thread stays
+        assert sorted(placements.values()) == [(first, second), (first, second), (second,)]
+    finally:
+        child.communicate("\n", timeout=30)

@@ -23,6 +23,7 @@ from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 from triton_vllm_multistep.frontend import triton_requests
+from triton_vllm_multistep.frontend.tap_listener import OutputTap
 from triton_vllm_multistep.frontend.triton_stream import (
     ModelStreams,
     TritonModelState,
@@ -50,8 +51,10 @@ class TritonEngineClient(TritonModelState, EngineClient):
         model_config: ModelConfig,
         tokenizer: Any,
         adapters: Mapping[str, str] | None = None,
+        tap: OutputTap | None = None,
     ) -> None:
         self._streams = ModelStreams(client, model_name)
+        self._tap = tap  # where the model's stub sends the data responses, when it can (output_tap.py)
         self.model_name = model_name
         self._model_config = model_config
         self._tokenizer = tokenizer
@@ -98,7 +101,7 @@ class TritonEngineClient(TritonModelState, EngineClient):
         # whole answers take the request's own); the prompt reaches this client as token ids only.
         first = params.output_kind == RequestOutputKind.DELTA
         # Closed with this generator (vLLM's code closing it cancels the gRPC stream at once).
-        async with aclosing(self._streams.responses(request_id, request)) as responses:
+        async with aclosing(self._streams.responses(request_id, request, self._tap)) as responses:
             async for values in responses:
                 if NUM_OUTPUT_TOKENS in values:  # a data response (the empty FINAL has none)
                     output = triton_requests.request_output(request_id, prompt_ids, values, completions)

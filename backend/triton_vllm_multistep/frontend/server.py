@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from triton_vllm_multistep.frontend import v1_servers
+from triton_vllm_multistep.frontend.tap_listener import OutputTap, tap_wanted
 from triton_vllm_multistep.settings import ModelSettings, read_model_settings
 
 BACKEND_NAME = "vllm_multistep"
@@ -144,8 +145,11 @@ def on_v1(settings: ModelSettings) -> bool:
     return settings.backend.vllm_engine == "v1"
 
 
-def served_models(client: Any, models: dict[str, ModelSettings], adapter_names: dict[str, dict[str, str]]) -> list[Any]:
-    """The multi-step models as vLLM 0.8.5's app serves them; `adapter_names`: adapter_model_names'."""
+def served_models(
+    client: Any, models: dict[str, ModelSettings], adapter_names: dict[str, dict[str, str]], tap: Any = None
+) -> list[Any]:
+    """The multi-step models as vLLM 0.8.5's app serves them; `adapter_names`: adapter_model_names';
+    `tap`: this server's output tap (frontend/tap_listener.py), when started."""
     from vllm.entrypoints.openai.serving_models import LoRAModulePath
 
     from triton_vllm_multistep.frontend.app import ServedModel
@@ -155,7 +159,7 @@ def served_models(client: Any, models: dict[str, ModelSettings], adapter_names: 
     for name, settings in models.items():
         model_config, tokenizer = model_settings(settings)
         paths = {a.name: a.path for a in settings.adapters or ()}
-        engine_client = TritonEngineClient(client, name, model_config, tokenizer, adapter_names[name])
+        engine_client = TritonEngineClient(client, name, model_config, tokenizer, adapter_names[name], tap)
         lora_modules = tuple(
             LoRAModulePath(served_name, paths[adapter], base_model_name=name)
             for served_name, adapter in adapter_names[name].items()
@@ -174,6 +178,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     client = grpcclient.InferenceServerClient(args.grpc_url)
     v1: list[v1_servers.V1Server] = []  # the V1 models' own servers, routed to
+    tap = OutputTap()  # the multi-step models' stubs write this server's data responses there
     try:
         await wait_for_server(client, args.ready_timeout)
         models = await discover(client, [Path(r) for r in args.model_repository], args.triton_model)
@@ -195,7 +200,9 @@ async def serve(args: argparse.Namespace) -> None:
             print(announcement, file=sys.stderr, flush=True)
             await v1_servers.run_in_front(v1[0])
             return
-        app = await build_openai_app(served_models(client, multistep, adapter_names), args) if multistep else None
+        if multistep and tap_wanted():
+            await tap.start()
+        app = await build_openai_app(served_models(client, multistep, adapter_names, tap), args) if multistep else None
         routed = {served: v1_server.url for v1_server in v1 for served in v1_server.served_names}
         config = uvicorn.Config(
             ModelRouter(app, routed) if v1 else app,
@@ -212,6 +219,7 @@ async def serve(args: argparse.Namespace) -> None:
         await server.serve()
     finally:
         v1_servers.stop_all(v1, args.shutdown_timeout)
+        await tap.close()
         await client.close()
 
 

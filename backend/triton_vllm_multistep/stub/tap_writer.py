@@ -86,7 +86,8 @@ class TapWriters:
         if live is None:
             raise OSError(f"output tap {path} is not connected")
         try:
-            live[1].sendall(encode_frame(entries))
+            # MSG_NOSIGNAL: a reader gone is an EPIPE error here, never a SIGPIPE to the stub process.
+            live[1].sendall(encode_frame(entries), socket.MSG_NOSIGNAL)
         except OSError:
             self._drop(path)
             raise
