@@ -13,28 +13,17 @@ environment while the core is spawned: the same kernels on the same number of th
 (tests/e2e/test_v1_served.py against `vllm serve`).
 
 Owns that choice: on CPU, for one worker (no tensor, pipeline or data parallelism) when model.json
-names no executor. On GPU vLLM's own choice stands (UniProcExecutor already, for one GPU). And, once
-the core runs, its threads that only inherited that placement (free_inherited_threads): the forward
-pass keeps its CPUs, the core's request intake and output get the engine process's.
+names no executor. On GPU vLLM's own choice stands (UniProcExecutor already, for one GPU).
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 # Not "uni", which vLLM 0.32's CPU platform replaces with "mp".
 WORKER_IN_CORE_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
-# "placed" keeps every thread of the core process where vLLM's placement puts its main thread (the
-# forward pass's CPUs); by default its other threads that inherited that placement (request intake and
-# output, ZeroMQ's, gloo's) are given back the CPUs of the engine process.
-CORE_THREADS_ENV = "TRITON_VLLM_MULTISTEP_V1_CORE_THREADS"
 
 
 def runs_worker_in_core(engine_args: Any) -> bool:
@@ -51,43 +40,3 @@ def core_threads_placed(vllm_config: Any) -> Iterator[None]:
 
     with OMPProcessManager(vllm_config).configure_omp_envs(rank=0, local_rank=0):
         yield
-
-
-def free_inherited_threads(core_pid: int, cpus: set[int]) -> int:
-    """The threads of the core process that only inherited its main thread's placement, onto `cpus`
-    (OpenMP's own threads are placed on CPUs of their own, so they keep theirs); returns how many moved.
-
-    Why: under vLLM's placement the core's request intake and output threads wait for the CPU the
-    forward pass holds (read from /proc: every thread of the core allowed CPU 0 only), while the rest of
-    the server has the other CPU. Set with `CORE_THREADS_ENV=placed` to keep vLLM's placement."""
-    if os.environ.get(CORE_THREADS_ENV, "") == "placed":
-        return 0
-    tasks = Path(f"/proc/{core_pid}/task")
-    try:
-        main = os.sched_getaffinity(core_pid)
-        tids = [int(task.name) for task in tasks.iterdir()]
-    except (ProcessLookupError, FileNotFoundError):
-        return 0
-    if main >= cpus:
-        return 0  # not placed narrower than this process: nothing inherited a narrower placement
-    moved = 0
-    for tid in tids:
-        try:
-            if tid != core_pid and os.sched_getaffinity(tid) == main:
-                os.sched_setaffinity(tid, cpus)
-                moved += 1
-        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
-            continue
-    logger.info("engine core %d: %d thread(s) besides the forward pass's moved onto CPUs %s", core_pid, moved, cpus)
-    return moved
-
-
-def core_process_ids() -> list[int]:
-    """This process's child processes (vLLM's engine core is the one it starts)."""
-    children: list[int] = []
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            children += [int(pid) for pid in (task / "children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return children

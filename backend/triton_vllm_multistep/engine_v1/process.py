@@ -87,8 +87,6 @@ def build_engine(spec: EngineSpec) -> tuple[Any, stats.SchedulerStatsLogger]:
         vllm_config = engine_args.create_engine_config()
         with cpu_executor.core_threads_placed(vllm_config):
             engine = LLMEngine.from_vllm_config(vllm_config, stat_loggers=[recorder])
-        for core in cpu_executor.core_process_ids():
-            cpu_executor.free_inherited_threads(core, os.sched_getaffinity(0))
     else:
         engine = LLMEngine.from_engine_args(engine_args, stat_loggers=[recorder])
     preload_adapters(engine, spec.lora_adapters)
