@@ -34,7 +34,8 @@ def annotate(results: dict[str, Any]) -> None:
     for config in results["served"]:
         for level in config["levels"]:
             c = level["concurrency"]
-            level["vs_ceiling"] = level["tokens_per_s"] / ceilings[str(c)]
+            ceiling = ceilings.get(str(c))  # none for a level the reused offline run did not measure
+            level["vs_ceiling"] = level["tokens_per_s"] / ceiling if ceiling else None
             same = same_threads.get(str(c))
             level["vs_ceiling_same_threads"] = level["tokens_per_s"] / same if same else None
             base = served.get("steps1", {}).get(c)
@@ -234,7 +235,8 @@ def format_table(results: dict[str, Any]) -> str:
             cpu = level["cpu_s_per_1k_tokens"]
             vs1 = "" if level["vs_steps1"] is None else f"{level['vs_steps1']:.2f}"
             same = level.get("vs_ceiling_same_threads")
-            vs_ceiling = f"{level['vs_ceiling']:.2f}" + ("" if same is None else f" ({same:.2f})")
+            vs_ceiling = "-" if level["vs_ceiling"] is None else f"{level['vs_ceiling']:.2f}"
+            vs_ceiling += "" if same is None else f" ({same:.2f})"
             lines.append(
                 f"| {config['label']} | {level['concurrency']} | {level['tokens_per_s']:.0f} | "
                 f"{vs_ceiling} | {vs1} | {level['responses_per_s']:.0f} | "

@@ -99,62 +99,67 @@ def _as_values(response: pb.InferenceResponse) -> dict[str, list[Any]]:
     return {name: array.tolist() for name, array in response.arrays().items()}
 
 
-def test_a_tapped_request_gets_its_data_on_the_tap_and_only_its_final_through_triton(tap: TapThread) -> None:
+@pytest.fixture
+def responder() -> Iterator[tuple[Responder, list[str]]]:
+    """A started response thread and the request ids it asked the engine to abort."""
+    aborted: list[str] = []
+    running = Responder(pb, abort=aborted.append)
+    running.start()
+    yield running, aborted
+    running.stop("stopping")
+
+
+def _tapped_and_plain(responder: Responder, tap_socket: str) -> tuple[pb.ResponseSender, pb.ResponseSender]:
+    """Request "t" naming the tap (key "k") and request "p" naming none, registered."""
+    tapped, plain = pb.ResponseSender(), pb.ResponseSender()
+    assert responder.register("t", RequestState(sender=tapped, request=_request(tap_socket)))
+    assert responder.register("p", RequestState(sender=plain, request=_request(None)))
+    return tapped, plain
+
+
+def test_a_tapped_request_gets_its_data_on_the_tap_and_only_its_final_through_triton(
+    tap: TapThread, responder: tuple[Responder, list[str]]
+) -> None:
     """Beside a request without a tap, in the same steps: the tap gets one entry per response, with the
     values Triton would have carried; Triton gets the tapped request's FINAL alone, after its last entry."""
-    aborted: list[str] = []
-    responder = Responder(pb, abort=aborted.append)
-    responder.start()
-    try:
-        inbox = tap.inbox("k")
-        tapped, plain = pb.ResponseSender(), pb.ResponseSender()
-        assert responder.register("t", RequestState(sender=tapped, request=_request(tap.path)))
-        assert responder.register("p", RequestState(sender=plain, request=_request(None)))
-        _step(responder, ("t", "one", [10], False), ("p", "one", [10], False))
-        _step(responder, ("t", " two", [11, 12], True), ("p", " two", [11, 12], True))
-        items = tap.items(inbox, 2)
-        assert wait_for(lambda: tapped.finals == 1 and plain.finals == 1, 10)
-    finally:
-        responder.stop("stopping")
+    running, aborted = responder
+    inbox = tap.inbox("k")
+    tapped, plain = _tapped_and_plain(running, tap.path)
+    _step(running, ("t", "one", [10], False), ("p", "one", [10], False))
+    _step(running, ("t", " two", [11, 12], True), ("p", " two", [11, 12], True))
+    items = tap.items(inbox, 2)
+    assert wait_for(lambda: tapped.finals == 1 and plain.finals == 1, 10)
     assert [item.final for item in items] == [False, True]
     assert [item.values for item in items] == [_as_values(r) for r in plain.responses()]
     assert items[1].values["output_ids"] == [11, 12] and items[1].values["text_output"] == [b" two"]
     assert tapped.sent == [(None, pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)] and aborted == []
 
 
-def test_a_tap_nobody_answers_leaves_the_responses_to_triton(tmp_path: Any) -> None:
-    responder = Responder(pb, abort=lambda _: None)
-    responder.start()
-    try:
-        sender = pb.ResponseSender()
-        assert responder.register("t", RequestState(sender=sender, request=_request(str(tmp_path / "none.sock"))))
-        _step(responder, ("t", "one", [10], False))
-        _step(responder, ("t", " two", [11], True))
-        assert wait_for(lambda: sender.finals == 1, 10)
-    finally:
-        responder.stop("stopping")
-    assert [r.arrays()["output_ids"].tolist() for r in sender.responses()] == [[10], [11]]
+def test_a_tap_nobody_answers_leaves_the_responses_to_triton(
+    tmp_path: Any, responder: tuple[Responder, list[str]]
+) -> None:
+    running, _ = responder
+    tapped, _ = _tapped_and_plain(running, str(tmp_path / "none.sock"))
+    _step(running, ("t", "one", [10], False))
+    _step(running, ("t", " two", [11], True))
+    assert wait_for(lambda: tapped.finals == 1, 10)
+    assert [r.arrays()["output_ids"].tolist() for r in tapped.responses()] == [[10], [11]]
 
 
-def test_a_tap_that_goes_away_mid_request_fails_that_request_alone(tap: TapThread) -> None:
-    aborted: list[str] = []
-    responder = Responder(pb, abort=aborted.append)
-    responder.start()
-    try:
-        inbox = tap.inbox("k")
-        tapped, plain = pb.ResponseSender(), pb.ResponseSender()
-        assert responder.register("t", RequestState(sender=tapped, request=_request(tap.path)))
-        assert responder.register("p", RequestState(sender=plain, request=_request(None)))
-        _step(responder, ("t", "one", [10], False))
-        tap.items(inbox, 1)
-        tap.call(tap.tap.close())  # the OpenAI server is gone
-        for _ in range(3):  # the first writes may still fit the socket's buffer before the reset is seen
-            _step(responder, ("t", " more", [11], False), ("p", "x", [1], False))
-        _step(responder, ("p", "y", [2], True))
-        assert wait_for(lambda: tapped.finals == 1 and plain.finals == 1, 10)
-    finally:
-        responder.stop("stopping")
-    ((response, flags),) = tapped.sent
+def test_a_tap_that_goes_away_mid_request_fails_that_request_alone(
+    tap: TapThread, responder: tuple[Responder, list[str]]
+) -> None:
+    running, aborted = responder
+    inbox = tap.inbox("k")
+    tapped, plain = _tapped_and_plain(running, tap.path)
+    _step(running, ("t", "one", [10], False))
+    tap.items(inbox, 1)
+    tap.call(tap.tap.close())  # the OpenAI server is gone
+    for _ in range(3):  # the first writes may still fit the socket's buffer before the reset is seen
+        _step(running, ("t", " more", [11], False), ("p", "x", [1], False))
+    _step(running, ("p", "y", [2], True))
+    assert wait_for(lambda: tapped.finals == 1 and plain.finals == 1, 10)
+    ((response, _),) = tapped.sent
     assert response.has_error() and response.error().code() == pb.TritonError.UNAVAILABLE
     assert "output tap" in response.error().message() and aborted == ["t"]
     assert not any(r.has_error() for r in plain.responses())
