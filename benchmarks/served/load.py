@@ -32,6 +32,27 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": at(0.50), "p90": at(0.90), "p99": at(0.99)}
 
 
+# vLLM's MP engine (`vllm serve`'s, and ours with vLLM's MP executor) spins its core and worker for
+# about a second after each message (shm_broadcast's SpinCondition): a wave right after such a
+# server's started on CPUs it still held (measured: first tokens ~1 s late in every wave that followed
+# `vllm serve`'s). Each measured wave starts once the host is quiet, or after SETTLE_MAX_SECONDS.
+QUIET_CPU_PERCENT = 20.0
+SETTLE_MAX_SECONDS = 5.0
+
+
+async def settle() -> float:
+    """Seconds waited until the host's CPU use over 0.2 s fell below QUIET_CPU_PERCENT."""
+    import psutil
+
+    started = time.perf_counter()
+    psutil.cpu_percent(None)
+    while time.perf_counter() - started < SETTLE_MAX_SECONDS:
+        await asyncio.sleep(0.2)
+        if psutil.cpu_percent(None) < QUIET_CPU_PERCENT:
+            break
+    return time.perf_counter() - started
+
+
 def waves_for(concurrency: int, scale: float) -> int:
     """More waves at low concurrency, where a wave is short and latency samples are few."""
     return max(2, round(scale * max(3, 24 / concurrency)))
@@ -256,6 +277,7 @@ async def run_level(
             base = offset + (wave + 1) * concurrency
             for name in names[wave % len(names) :] + names[: wave % len(names)]:
                 tally = tallies[name]
+                await settle()
                 before = _cpu_now(groups[name], me)
                 start = time.perf_counter()
                 batch = await run_wave(clients[name], concurrency, base)
