@@ -146,7 +146,10 @@ def on_v1(settings: ModelSettings) -> bool:
 
 
 def served_models(
-    client: Any, models: dict[str, ModelSettings], adapter_names: dict[str, dict[str, str]], tap: Any = None
+    client: Any,
+    models: dict[str, ModelSettings],
+    adapter_names: dict[str, dict[str, str]],
+    tap: OutputTap | None = None,
 ) -> list[Any]:
     """The multi-step models as vLLM 0.8.5's app serves them; `adapter_names`: adapter_model_names';
     `tap`: this server's output tap (frontend/tap_listener.py), when started."""

@@ -276,6 +276,7 @@ class EmbeddingRequest:
     stream: bool = False
     stream_interval: int | None = None
     images: tuple[bytes, ...] = ()
+    tap: TapAddress | None = None  # never: its one response goes through Triton (decode_request refuses one)
 
     @property
     def prompt_tokens(self) -> int:

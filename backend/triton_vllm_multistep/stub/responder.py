@@ -176,6 +176,10 @@ class RequestState:
     tap_connection: int | None = None
 
 
+def tap_failed_message(socket: str) -> str:
+    return f"the connection to the OpenAI server's output tap {socket} failed during this request"
+
+
 @dataclass(frozen=True)
 class TappedResponse:
     """A data response for the request's output tap: its output values, plain."""
@@ -327,8 +331,12 @@ class Responder:
         with self._lock:
             state = self._states.pop(request_id, None)
         if state is not None:
-            self._holding.discard(request_id)  # its held outputs are dropped with it
-            self.send_error(state.sender, message, code)
+            self._error_final(request_id, state, message, code)
+
+    def _error_final(self, request_id: str, state: RequestState, message: str, code: Any) -> None:
+        """Response thread: the error FINAL of a request no longer registered."""
+        self._holding.discard(request_id)  # its held outputs are dropped with it
+        self.send_error(state.sender, message, code)
 
     def _run(self) -> None:
         try:
@@ -522,7 +530,7 @@ class Responder:
     def _tapped(self, state: RequestState) -> bool:
         """Whether this response goes to the request's output tap; raises OSError when the connection
         its earlier responses took has failed since."""
-        tap = getattr(state.request, "tap", None)
+        tap = state.request.tap
         if tap is None:
             return False
         if state.first:
@@ -531,7 +539,7 @@ class Responder:
         if state.tap_connection is None:
             return False
         if self._taps.connection_id(tap.socket) != state.tap_connection:
-            raise OSError(f"the connection to output tap {tap.socket} failed during this request")
+            raise OSError(tap_failed_message(tap.socket))
         return True
 
     def _write_taps(
@@ -559,9 +567,8 @@ class Responder:
                 self._abort(output.request_id)
                 with self._lock:
                     self._states.pop(output.request_id, None)  # a finished one is popped already
-                self._holding.discard(output.request_id)
-                message = f"the OpenAI server's output tap {state.request.tap.socket} failed during this request"
-                self.send_error(state.sender, message, self._pb.TritonError.UNAVAILABLE)
+                message = tap_failed_message(state.request.tap.socket)
+                self._error_final(output.request_id, state, message, self._pb.TritonError.UNAVAILABLE)
                 continue
             left.append((output, state, response, finished))
         return left
