@@ -69,6 +69,15 @@ def tap_address(parameters_json: str | None) -> TapAddress | None:
     return TapAddress(socket, key)
 
 
+# Leading words of the UNAVAILABLE error a request gets when its tap's connection breaks mid-request
+# (stub/responder.py sends it; frontend/errors.py answers it 503: the request may be retried).
+TAP_FAILED_PREFIX = "the connection to the OpenAI server's output tap"
+
+
+def tap_failed_message(socket: str) -> str:
+    return f"{TAP_FAILED_PREFIX} {socket} failed during this request"
+
+
 def encode_frame(entries: Sequence[TapEntry]) -> bytes:
     payload = pickle.dumps(list(entries), protocol=pickle.HIGHEST_PROTOCOL)
     return len(payload).to_bytes(HEADER_BYTES, "little") + payload

@@ -932,10 +932,13 @@ def test_a_client_that_leaves_a_v1_models_openai_stream_stops_its_request_in_the
     """Streamed /v1/completions of llm_v1 through the launcher's OpenAI API, with this module's other V1
     engines loaded: a client that leaves after a few chunks stops its request in the engine long before
     its end (with vLLM's MP executor on CPU its core and worker spun and starved the V1 model's API server
-    for seconds: docs/openai.md; the worker now runs in the core process, engine_v1/cpu_executor.py)."""
+    for seconds: docs/openai.md; the worker now runs in the core process, engine_v1/cpu_executor.py).
+    Each hop says so in the server log: the router stopped relaying, the V1 model's server cancelled
+    the request in the model, the model's stub aborted it in the engine (on failure: which of them did)."""
     body = {"model": V1, "prompt": list(PROMPTS[0]), "max_tokens": LEFT_STREAM_TOKENS, "ignore_eos": True}
     for trial in range(3):
         before = metric(scrape(v1_server), "vllm:generation_tokens_total", V1) or 0.0
+        log_from = len(v1_server.log_path.read_text(errors="replace"))
         with requests.post(
             f"{v1_server.openai_url}/v1/completions", json={**body, "stream": True}, stream=True, timeout=60
         ) as response:
@@ -946,7 +949,14 @@ def test_a_client_that_leaves_a_v1_models_openai_stream_stops_its_request_in_the
         assert wait_for(lambda: metric(scrape(v1_server), "vllm:num_requests_running", V1) == 0, 30), trial
         time.sleep(1.0)
         generated = (metric(scrape(v1_server), "vllm:generation_tokens_total", V1) or 0.0) - before
-        assert 0 < generated < LEFT_STREAM_TOKENS, (trial, generated)
+        log = v1_server.log_path.read_text(errors="replace")[log_from:]
+        hops = [line for line in log.splitlines() if "went away" in line or "cancelled by its client" in line]
+        assert 0 < generated < LEFT_STREAM_TOKENS, (trial, generated, hops)
+        assert any("/v1/completions went away mid-answer" in line for line in hops), (trial, hops)
+        left = rf"request (\S+) left unanswered \(its client went away\): cancelled in {V1}$"
+        (request_id,) = re.findall(left, log, re.M)
+        aborted = f"request {request_id}-"  # the stub's id for it: Triton's request id, then its own
+        assert any(aborted in line and "aborted in the engine" in line for line in hops), (trial, hops)
 
 
 def test_a_v1_engine_core_that_dies_fails_its_requests_and_its_model_alone_and_the_probe_says_so(

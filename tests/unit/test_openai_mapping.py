@@ -19,6 +19,7 @@ from vllm.sampling_params import GuidedDecodingParams, RequestOutputKind, Sampli
 from triton_vllm_multistep.frontend import errors, server, triton_requests, triton_stream, v1_servers
 from triton_vllm_multistep.host import openai_process
 from triton_vllm_multistep.interface import UNHEALTHY_ENGINE_MESSAGE
+from triton_vllm_multistep.output_tap import tap_failed_message
 from triton_vllm_multistep.settings import read_model_settings
 from triton_vllm_multistep.stub import codec
 
@@ -124,6 +125,7 @@ def test_unavailable_errors_are_told_from_bad_requests_by_the_backends_words() -
     assert errors.is_unavailable(f"{UNHEALTHY_ENGINE_MESSAGE}: vLLM engine failed: boom")
     assert errors.is_unavailable("model is unloading: not taking new requests")
     assert errors.is_unavailable("Request for unknown model: 'x' is not found")
+    assert errors.is_unavailable(tap_failed_message("/tmp/tvm-tap-x/outputs.sock"))  # the stub's words for a broken tap
     assert not errors.is_unavailable("sampling_parameters.logprobs must be between 0 and 20, got 50")
 
 

@@ -140,6 +140,7 @@ class ModelRouter:
         request = self.http.build_request(scope["method"], url, headers=_passed_headers(scope), content=body)
 
         started = False
+        gone = asyncio.Event()  # the client went away
 
         async def relay() -> None:
             nonlocal started
@@ -149,14 +150,19 @@ class ModelRouter:
                 started = True
                 await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
                 async for chunk in response.aiter_raw():
+                    # uvicorn's send to a client that is gone returns without error: were this task's
+                    # cancellation lost (a library swallowing it), the rest would be relayed to nobody.
+                    if gone.is_set():
+                        return
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             finally:
-                await response.aclose()
+                await response.aclose()  # unread: closes the connection, which stops the request there
 
         async def client_gone() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
+            gone.set()
 
         relaying, watching = asyncio.ensure_future(relay()), asyncio.ensure_future(client_gone())
         try:
@@ -165,6 +171,8 @@ class ModelRouter:
             for task in (relaying, watching):
                 task.cancel()
             await asyncio.gather(relaying, watching, return_exceptions=True)
+        if gone.is_set() and started:
+            logger.info("the client of %s went away mid-answer: its request to %s stopped", scope["path"], server)
         error = relaying.exception() if relaying.done() and not relaying.cancelled() else None
         if error is None:
             return

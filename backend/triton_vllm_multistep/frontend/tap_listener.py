@@ -89,7 +89,9 @@ class OutputTap:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the stub closed it (its model unloaded)
         except asyncio.CancelledError:
-            raise
+            # Only close() cancels a connection; ending quietly, as asyncio 3.11 logs a cancelled
+            # connection handler as an unhandled error.
+            return
         except Exception:
             logger.exception("an output tap connection sent what is not a frame: closing it")
         finally:

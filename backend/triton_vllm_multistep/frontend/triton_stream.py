@@ -420,6 +420,8 @@ class ModelStreams:
         finally:
             # Unanswered: the HTTP client went away (vLLM's serving code was cancelled) or stopped
             # reading; cancelling the gRPC stream makes the backend abort the request in the engine.
+            if not answered:
+                self._log_left(request_id)
             await end_stream(responses, answered)
 
     async def _tapped(
@@ -471,8 +473,12 @@ class ModelStreams:
                 reader.add_done_callback(self._ending.discard)
             else:  # the client went away: cancelling the stream aborts the request in the engine
                 responses.cancel()
+                self._log_left(request_id)
                 reader.cancel()
                 await asyncio.gather(reader, return_exceptions=True)
+
+    def _log_left(self, request_id: str) -> None:
+        logger.info("request %s left unanswered (its client went away): cancelled in %s", request_id, self.model_name)
 
     async def embeddings(
         self, request_id: str, prompt_token_ids: Sequence[int], dimensions: int | None, priority: int

@@ -18,6 +18,7 @@ from typing import Any
 from triton_vllm_multistep.engine.deltas import merge_deltas
 from triton_vllm_multistep.engine.events import EngineDied, EngineEvent, EngineOutput, RequestFailed, StepOutputs
 from triton_vllm_multistep.lifecycle.protocol import ENSEMBLE_CATCH_UP_SECONDS
+from triton_vllm_multistep.output_tap import tap_failed_message
 from triton_vllm_multistep.stub import codec, tap_writer, triton_io
 from triton_vllm_multistep.stub.stream_merge import AdaptiveInterval
 
@@ -174,10 +175,6 @@ class RequestState:
     # The output tap connection its responses take (tap_writer.py), decided at its first response;
     # None: Triton's.
     tap_connection: int | None = None
-
-
-def tap_failed_message(socket: str) -> str:
-    return f"the connection to the OpenAI server's output tap {socket} failed during this request"
 
 
 @dataclass(frozen=True)
@@ -606,6 +603,7 @@ class Responder:
         state.last_cancel_check = now
         if not state.sender.is_cancelled():
             return False
+        logger.info("request %s cancelled by its client: aborted in the engine", request_id)
         self._abort(request_id)
         self.fail(request_id, "Request was cancelled by the client", self._pb.TritonError.CANCELLED)
         return True
