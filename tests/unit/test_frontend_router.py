@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 from collections.abc import AsyncIterator
 
 import httpx
+import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -122,7 +124,11 @@ async def routed(local: object | None, v1: V1Standin | None) -> AsyncIterator[st
         yield await stack.enter_async_context(serving(ModelRouter(local, remote)))
 
 
-def test_requests_go_to_the_server_of_the_model_they_name_and_streams_come_back_chunk_by_chunk() -> None:
+def test_requests_go_to_the_server_of_the_model_they_name_and_streams_come_back_chunk_by_chunk(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="triton_vllm_multistep.frontend")
+
     async def run() -> None:
         v1 = V1Standin()
         async with routed(local_app(), v1) as url, httpx.AsyncClient(base_url=url) as client:
@@ -144,9 +150,12 @@ def test_requests_go_to_the_server_of_the_model_they_name_and_streams_come_back_
             assert v1.headers[-1]["authorization"] == "Bearer key" and v1.headers[-1]["x-request-id"] == "r1"
 
     asyncio.run(run())
+    assert "went away" not in caplog.text  # a whole answer is no client leaving
 
 
-def test_a_client_going_away_ends_the_request_on_the_v1_models_server() -> None:
+def test_a_client_going_away_ends_the_request_on_the_v1_models_server(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="triton_vllm_multistep.frontend")
+
     async def run() -> None:
         v1 = V1Standin()
         async with routed(local_app(), v1) as url, httpx.AsyncClient(base_url=url) as client:
@@ -158,6 +167,7 @@ def test_a_client_going_away_ends_the_request_on_the_v1_models_server() -> None:
             await asyncio.wait_for(v1.gone.wait(), 3)
 
     asyncio.run(run())
+    assert "the client of /v1/completions went away mid-answer" in caplog.text
 
 
 def test_models_and_health_cover_every_server() -> None:

@@ -139,11 +139,11 @@ class ModelRouter:
         url = server + scope["path"] + (f"?{query}" if query else "")
         request = self.http.build_request(scope["method"], url, headers=_passed_headers(scope), content=body)
 
-        started = False
-        gone = asyncio.Event()  # the client went away
+        started = answered = False  # answered: the whole answer was sent on
+        gone = asyncio.Event()  # the client went away (uvicorn also says so once the answer is complete)
 
         async def relay() -> None:
-            nonlocal started
+            nonlocal started, answered
             response = await self.http.send(request, stream=True)
             try:
                 headers = [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
@@ -156,6 +156,7 @@ class ModelRouter:
                         return
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+                answered = True
             finally:
                 await response.aclose()  # unread: closes the connection, which stops the request there
 
@@ -171,7 +172,7 @@ class ModelRouter:
             for task in (relaying, watching):
                 task.cancel()
             await asyncio.gather(relaying, watching, return_exceptions=True)
-        if gone.is_set() and started:
+        if gone.is_set() and started and not answered:
             logger.info("the client of %s went away mid-answer: its request to %s stopped", scope["path"], server)
         error = relaying.exception() if relaying.done() and not relaying.cancelled() else None
         if error is None:
