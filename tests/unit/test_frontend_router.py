@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
@@ -124,11 +124,22 @@ async def routed(local: object | None, v1: V1Standin | None) -> AsyncIterator[st
         yield await stack.enter_async_context(serving(ModelRouter(local, remote)))
 
 
-def test_requests_go_to_the_server_of_the_model_they_name_and_streams_come_back_chunk_by_chunk(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    caplog.set_level(logging.INFO, logger="triton_vllm_multistep.frontend")
+@pytest.fixture
+def router_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """The router's log lines. Its logger's handler is attached directly: the package's logger stops
+    propagating to the root (and caplog's handler there) once stub/instance.py is imported in this process."""
+    logger = logging.getLogger("triton_vllm_multistep.frontend")
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger=logger.name)
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
 
+
+def test_requests_go_to_the_server_of_the_model_they_name_and_streams_come_back_chunk_by_chunk(
+    router_log: pytest.LogCaptureFixture,
+) -> None:
     async def run() -> None:
         v1 = V1Standin()
         async with routed(local_app(), v1) as url, httpx.AsyncClient(base_url=url) as client:
@@ -150,12 +161,10 @@ def test_requests_go_to_the_server_of_the_model_they_name_and_streams_come_back_
             assert v1.headers[-1]["authorization"] == "Bearer key" and v1.headers[-1]["x-request-id"] == "r1"
 
     asyncio.run(run())
-    assert "went away" not in caplog.text  # a whole answer is no client leaving
+    assert "went away" not in router_log.text  # a whole answer is no client leaving
 
 
-def test_a_client_going_away_ends_the_request_on_the_v1_models_server(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="triton_vllm_multistep.frontend")
-
+def test_a_client_going_away_ends_the_request_on_the_v1_models_server(router_log: pytest.LogCaptureFixture) -> None:
     async def run() -> None:
         v1 = V1Standin()
         async with routed(local_app(), v1) as url, httpx.AsyncClient(base_url=url) as client:
@@ -167,7 +176,7 @@ def test_a_client_going_away_ends_the_request_on_the_v1_models_server(caplog: py
             await asyncio.wait_for(v1.gone.wait(), 3)
 
     asyncio.run(run())
-    assert "the client of /v1/completions went away mid-answer" in caplog.text
+    assert "the client of /v1/completions went away mid-answer" in router_log.text
 
 
 def test_models_and_health_cover_every_server() -> None:
