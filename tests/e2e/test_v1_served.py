@@ -954,8 +954,9 @@ def test_a_client_that_leaves_a_v1_models_openai_stream_stops_its_request_in_the
         assert 0 < generated < LEFT_STREAM_TOKENS, (trial, generated, hops)
         assert any("/v1/completions went away mid-answer" in line for line in hops), (trial, hops)
         left = rf"request (\S+) left unanswered \(its client went away\): cancelled in {V1}$"
-        (request_id,) = re.findall(left, log, re.M)
-        aborted = f"request {request_id}-"  # the stub's id for it: Triton's request id, then its own
+        cancelled = re.findall(left, log, re.M)
+        assert len(cancelled) == 1, (trial, hops)
+        aborted = f"request {cancelled[0]}-"  # the stub's id for it: Triton's request id, then its own
         assert any(aborted in line and "aborted in the engine" in line for line in hops), (trial, hops)
 
 
