@@ -173,7 +173,7 @@ def v1_checks(served: dict[str, dict[int, dict[str, Any]]], check: Any) -> None:
     at every level measured in the same run (issue #32: at least 1.0x), and the same as the median of
     the rounds' ratios (information); the multi-step per-step configurations over it as information."""
     theirs = served.get("vllm_serve_v1", {})
-    extra = ["v1_step_process_async", "v1_step_process_inproc"]
+    extra = ["v1_step_process_async", "v1_step_process_inproc", "v1_step_process_pinned"]
     for name in [*V1_OVER_VLLM_SERVE_V1, *extra, *PER_STEP, "steps1"]:
         for level in sorted(set(served.get(name, {})) & set(theirs)):
             value = served[name][level]["tokens_per_s"] / theirs[level]["tokens_per_s"]
