@@ -69,12 +69,10 @@ if [[ -f "$VENV/.setup-stamp" && "$(cat "$VENV/.setup-stamp")" == "$STAMP" ]]; t
 fi
 
 # .venv-v1 installs beside .venv (it shares nothing with it): pip's single-threaded install of it
-# then overlaps uv's and the demo models' build instead of following them (~60 s less on 2 cores).
+# then overlaps uv's and the demo models' build instead of following them (fresh clones here: set-up
+# 108-111 s against 138-157 s).
 setup_v1 &
 v1_setup=$!
-finish_v1() {
-  wait "$v1_setup" || { log "set-up of .venv-v1 failed (its lines above)"; exit 1; }
-}
 # A failure of .venv's install stops .venv-v1's too (pip, then the function's shell).
 trap 'pkill -TERM -P "$v1_setup" 2>/dev/null || true; kill "$v1_setup" 2>/dev/null || true' EXIT
 
@@ -108,5 +106,5 @@ fi
 "$PY" -m triton_vllm_multistep build-demo-models >&2
 echo "$STAMP" > "$VENV/.setup-stamp"
 log "done: $(du -sh "$VENV" | cut -f1) in .venv"
-finish_v1
+wait "$v1_setup" || { log "set-up of .venv-v1 failed (its lines above)"; exit 1; }
 trap - EXIT
