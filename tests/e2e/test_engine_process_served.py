@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from private_servers import add_models, engine_processes, loaded_into
-from triton_clients import StreamResult, grpc_generate
+import tritonclient.grpc as grpcclient
+from private_servers import add_models, engine_processes, loaded_into, stub_of, stub_without_torch
+from triton_clients import StreamResult, grpc_generate, make_inputs
 
 from triton_vllm_multistep.engine import cpu_placement
 from triton_vllm_multistep.testing.local_server import ServerProcess
@@ -73,6 +74,33 @@ def test_the_engine_runs_in_its_own_process_and_streams_what_the_stub_engine_str
             whole = _generate(process_server, OWN_PROCESS, prompt, stream=False, **sampling)
             # Non-streamed text starts with the prompt (Triton's vLLM backend's exclude_input_in_output false).
             assert whole.token_ids() == got.token_ids() and whole.text() == prompt + got.text()
+
+
+def test_an_engine_process_checks_the_sampling_fields_in_the_words_of_the_stubs_checks(
+    process_server: ServerProcess,
+) -> None:
+    """With the engine in a process of its own the stub imports neither vLLM nor torch (it maps no
+    libtorch): vLLM's checks of the sampling fields run in the engine process, which refuses that
+    request alone in the words the stub's own checks use with the engine in the stub."""
+    print(f"{OWN_PROCESS} stub: {stub_without_torch(process_server, OWN_PROCESS):.0f} MB resident")
+    assert "libtorch" in Path(f"/proc/{stub_of(process_server, IN_STUB).pid}/maps").read_text()
+    errors: dict[str, tuple[str | None, str | None]] = {}
+    for model in (IN_STUB, OWN_PROCESS):
+        via_input = grpc_generate(process_server.grpc_url, model, prompt="hi", sampling={"top_p": 1.5}, stream=True)
+        via_parameters = grpc_generate(
+            process_server.grpc_url,
+            model,
+            inputs=make_inputs(grpcclient, prompt="hi", stream=True),
+            parameters={"top_p": 1.5},
+        )
+        assert via_input.finals == via_parameters.finals == 1 and not via_input.data_responses
+        errors[model] = (via_input.error, via_parameters.error)
+        _generate(process_server, model, "hello world", temperature=0)  # the next request is served
+    via_input_error, via_parameters_error = errors[OWN_PROCESS]
+    assert via_input_error is not None and "sampling_parameters: top_p must be in (0, 1], got 1.5" in via_input_error
+    assert via_parameters_error is not None and "parameters: top_p must be in (0, 1], got 1.5" in via_parameters_error
+    assert "sampling_parameters" not in via_parameters_error, via_parameters_error
+    assert errors[IN_STUB] == errors[OWN_PROCESS]
 
 
 def test_engine_cpus_puts_every_engine_thread_on_its_cpus_and_the_stub_off_them(process_server: ServerProcess) -> None:

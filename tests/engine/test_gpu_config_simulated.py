@@ -246,7 +246,7 @@ def test_engine_cpus_leaves_the_users_thread_count_alone_on_cuda_only() -> None:
     with simulated_cuda():
         from vllm.platforms import current_platform
 
-        on_cpu = current_platform.is_cpu()  # what the stub passes for a multi-step model
+        on_cpu = current_platform.is_cpu()  # vLLM's answer; the stub's device-node one agrees (below)
     assert on_cpu is False
     instance.place_engine(cpus, one_instance, user_threads, "llm", engine_on_cpu=on_cpu)
     with pytest.raises(ConfigError, match="but OMP_NUM_THREADS=64"):
@@ -254,13 +254,14 @@ def test_engine_cpus_leaves_the_users_thread_count_alone_on_cuda_only() -> None:
     assert set(cpu_placement.thread_cpus(os.getpid()).values()) == {cpus}
 
 
-def test_engine_cpus_on_v1_leaves_the_users_thread_count_alone_on_gpu_hosts_only(
+def test_engine_cpus_of_an_engine_process_leaves_the_users_thread_count_alone_on_gpu_hosts_only(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The V1 stub's branch of the same decision (vLLM 0.32 cannot be imported there: the host's GPU
-    device nodes decide, stub/device.py): with /dev showing an NVIDIA GPU the user's OMP_NUM_THREADS
-    stands; without, it is a load error naming both, as vLLM's CPU worker would bind one thread per
-    engine_cpus CPU whatever it says."""
+    """The stub's branch of the same decision for an engine process, either engine's (the stub imports
+    no vLLM; vLLM 0.32 cannot even be imported there: the host's GPU device nodes decide,
+    stub/device.py): with /dev showing an NVIDIA GPU the user's OMP_NUM_THREADS stands; without, it
+    is a load error naming both, as vLLM's CPU worker would bind one thread per engine_cpus CPU
+    whatever it says."""
     import functools
 
     from triton_vllm_multistep.engine import cpu_placement
@@ -276,8 +277,8 @@ def test_engine_cpus_on_v1_leaves_the_users_thread_count_alone_on_gpu_hosts_only
     (gpu_dev / "nvidia0").touch()
     (gpu_dev / "nvidiactl").touch()  # not a GPU
     monkeypatch.setattr(instance, "gpu_count", functools.partial(device.gpu_count, dev=gpu_dev))
-    instance.place_v1_engine(cpus, one_instance, "llm_v1")
+    instance.place_engine_process(cpus, one_instance, "llm_v1")
     monkeypatch.setattr(instance, "gpu_count", functools.partial(device.gpu_count, dev=tmp_path))
     with pytest.raises(ConfigError, match="but OMP_NUM_THREADS=64 in the server's environment"):
-        instance.place_v1_engine(cpus, one_instance, "llm_v1")
+        instance.place_engine_process(cpus, one_instance, "llm_v1")
     assert set(cpu_placement.thread_cpus(os.getpid()).values()) == {cpus}

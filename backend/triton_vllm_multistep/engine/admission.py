@@ -110,15 +110,20 @@ class Admissions:
             self._refuse(request.request_id, str(error))
             return
         try:
+            params = sampling_params(request.sampling) if pooling is None else pooling
+        except (ValueError, TypeError) as error:  # vLLM's own checks of the fields (the stub imports no vLLM)
+            self._refuse(request.request_id, f"{request.sampling_source}: {error}")
+            return
+        try:
             item = Admission(
                 request.request_id,
                 list(request.prompt_token_ids),
-                sampling_params(request.sampling) if pooling is None else pooling,
+                params,
                 lora_request(request.adapter),
                 tuple(request.images),
                 priority=request.priority,
             )
-        except Exception as error:  # the stub checked the fields: another vLLM may still refuse them
+        except Exception as error:  # what else vLLM refuses of it
             self._refuse(request.request_id, f"the engine cannot take this request: {type(error).__name__}: {error}")
             return
         with self._lock:

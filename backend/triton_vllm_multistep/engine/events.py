@@ -10,13 +10,14 @@ vLLM's request objects from an EngineRequest, engine/outputs.py turns vLLM's out
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from triton_vllm_multistep.interface import GENERATE_TASK
+from triton_vllm_multistep.interface import GENERATE_TASK, SAMPLING_PARAMETERS
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,9 @@ class EngineRequest:
     # An embedding request: vLLM's PoolingParams fields as JSON values (`sampling` is then empty and
     # the engine pools the prompt instead of generating); None: a generation request.
     pooling: Mapping[str, Any] | None = None
+    # Where `sampling` came from (the input 'sampling_parameters' or the request 'parameters'), for
+    # an engine's refusal of it in the words the stub's own checks use ("<source>: <vLLM's error>").
+    sampling_source: str = SAMPLING_PARAMETERS
 
 
 EMPTY_PROMPT_MESSAGE = "the prompt has no tokens: 'text_input' or 'input_ids' is empty"
@@ -57,8 +61,16 @@ def prompt_limit(max_model_len: int, max_prompt_tokens: int) -> int:
 
 def token_ids_of(tokenizer: Any, model_vocab_size: int) -> int:
     """How many token ids a request may name (input_ids, logit_bias): the model's and the tokenizer's
-    both, whichever side has the tokenizer (the stub's, or a V1 engine process's)."""
-    return min(model_vocab_size, getattr(tokenizer, "max_token_id", len(tokenizer) - 1) + 1)
+    both, whichever side has the tokenizer (the stub's, or a V1 engine process's). The tokenizer's
+    figure is vLLM's `max_token_id` + 1, computed as vLLM 0.8.5's cached tokenizer computes it for a
+    tokenizer transformers loaded (stub/model_tokenizer.py): the largest id of the vocabulary, or the
+    tokenizer's `vocab_size` where that is larger (vLLM's words: some count special tokens there only)."""
+    max_token_id = getattr(tokenizer, "max_token_id", None)
+    if max_token_id is None:
+        max_token_id = max(tokenizer.get_vocab().values())
+        with contextlib.suppress(NotImplementedError, AttributeError):
+            max_token_id = max(max_token_id, tokenizer.vocab_size)
+    return min(model_vocab_size, int(max_token_id) + 1)
 
 
 def prompt_too_long_message(tokens: int, limit: int) -> str:

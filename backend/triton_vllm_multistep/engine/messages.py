@@ -101,6 +101,7 @@ ERROR_MODULES = frozenset(
         "triton_vllm_multistep.engine.process",
         "triton_vllm_multistep.engine.cpu_placement",
         "triton_vllm_multistep.engine.ipex_switch",
+        "triton_vllm_multistep.settings.parameters",  # ConfigError: model.json refused by the engine's vLLM
     }
 )
 

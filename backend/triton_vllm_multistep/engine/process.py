@@ -375,8 +375,7 @@ def prepare(use_ipex: bool, placement: str = cpu_placement.ALL_CPUS) -> None:
 def _built_loop(spec: EngineSpec, connection: Connection) -> tuple[Any, Any]:
     """(loop, engine) once built and warmed up; (None, None) after sending the build's failure."""
     try:
-        from vllm.engine.arg_utils import EngineArgs
-
+        from triton_vllm_multistep.engine.engine_args import engine_values, to_engine_args
         from triton_vllm_multistep.engine.ipex_switch import ipex_turned_off
         from triton_vllm_multistep.engine.loop import serving_loop
 
@@ -391,7 +390,8 @@ def _built_loop(spec: EngineSpec, connection: Connection) -> tuple[Any, Any]:
             # serving thread policy (all cores but one) is for an engine that shares its cores.
             user_threads = {**user_threads, **cpu_placement.engine_thread_environment(spec.cpus)}
         loop = serving_loop(
-            EngineArgs(**spec.engine_args),
+            # model.json's fields as the stub read them: checked against this vLLM here (the stub imports none).
+            to_engine_args(engine_values(spec.engine_args)),
             spec.stream_mode,  # type: ignore[arg-type]
             user_threads,
             spec.lora_adapters,

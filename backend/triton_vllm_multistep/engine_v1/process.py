@@ -228,7 +228,14 @@ class EngineThread:
 
     def _admit(self, request: EngineRequest) -> None:
         try:
-            params = sampling_params(request.sampling) if request.pooling is None else pooling_params(request.pooling)
+            if request.pooling is None:
+                params = sampling_params(request.sampling)
+        except (ValueError, TypeError) as error:  # V1's own checks of the fields, as the multi-step engine's
+            self.send(RequestFailed(request.request_id, f"{request.sampling_source}: {error}"))
+            return
+        try:
+            if request.pooling is not None:
+                params = pooling_params(request.pooling)
             lora = None
             if request.adapter is not None:
                 from vllm.lora.request import LoRARequest

@@ -212,7 +212,8 @@ class GenerationRequest:
     """A validated request, ready for the engine (`engine_request` makes what the engine gets)."""
 
     prompt_token_ids: list[int]
-    # Checked here (None for a V1 model: ModelLimits.checks_with_vllm); the engine builds its own from `sampling`.
+    # Checked here (None for an engine process: ModelLimits.checks_with_vllm); the engine builds its
+    # own from `sampling`.
     sampling_params: SamplingParams | None
     stream: bool
     prompt_text: str | None = None
@@ -230,6 +231,7 @@ class GenerationRequest:
     engine_prompt_tokens: int | None = None
     # `sampling_params` as plain values (EngineRequest.sampling): vLLM field name → JSON value.
     sampling: dict[str, Any] = field(default_factory=dict)
+    sampling_source: str = SAMPLING_TENSOR  # where `sampling` came from, as errors name it
     priority: int = 0  # vLLM's request priority (lower first)
     # Where its data responses go instead of Triton (output_tap.py), when an OpenAI server asked.
     tap: TapAddress | None = None
@@ -255,9 +257,9 @@ class ModelLimits:
     scheduling_policy: str = "fcfs"  # the engine's (model.json scheduling_policy): "priority" takes priorities
     tasks: tuple[str, ...] = (GENERATE_TASK,)  # what the model serves (EngineFacts.tasks)
     served_name: str = "this model"  # the Triton model's name, as Triton's vLLM backend names it in errors
-    # Sampling fields checked here with vLLM 0.8.5's SamplingParams, the multi-step engine's own rules;
-    # False for a V1 model: its engine process checks them with V1's, refusing that request alone,
-    # and its stub imports no vLLM at all.
+    # Sampling fields checked here with vLLM 0.8.5's SamplingParams, the multi-step engine's own rules,
+    # where the engine runs in the stub; False for an engine process (either engine): it checks them
+    # with its vLLM, refusing that request alone, and the stub imports no vLLM at all.
     checks_with_vllm: bool = True
 
 
@@ -644,6 +646,7 @@ def decode_request(
         adapter=adapter,
         images=images,
         sampling=plain_sampling,
+        sampling_source=source,
         priority=priority,
         tap=tap,
     )
@@ -783,6 +786,7 @@ def engine_request(request: GenerationRequest | EmbeddingRequest, request_id: st
         request.images,
         request.prompt_text if not request.prompt_token_ids else None,
         request.priority,
+        sampling_source=request.sampling_source,
     )
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from triton_vllm_multistep.demo.smollm2 import DemoModelError
 from triton_vllm_multistep.engine import cpu_placement, extensions
 from triton_vllm_multistep.engine.engine_args import engine_values, to_engine_args
-from triton_vllm_multistep.engine.events import EngineRunner, token_ids_of
+from triton_vllm_multistep.engine.events import EngineBuildError, EngineRunner, token_ids_of
 from triton_vllm_multistep.engine.process import EngineProcess, EngineProcessError, EngineSpec, NoPythonForEngineProcess
 from triton_vllm_multistep.interface import INPUT_NAMES, INPUTS, OUTPUT_NAMES, OUTPUTS, UNHEALTHY_ENGINE_MESSAGE
 from triton_vllm_multistep.lifecycle import drain, protocol, triton_command
@@ -28,6 +28,7 @@ from triton_vllm_multistep.settings.backend import engine_stream_mode, instance_
 from triton_vllm_multistep.stub import codec, triton_io
 from triton_vllm_multistep.stub.detokenization import window_decoder
 from triton_vllm_multistep.stub.device import gpu_count, instance_device_environment
+from triton_vllm_multistep.stub.model_tokenizer import TokenizerSource, load_tokenizer
 
 # Load errors caused by settings or set-up, not by a bug: their message is all a user needs.
 SETTINGS_ERRORS = (ConfigError, DemoModelError)
@@ -91,11 +92,11 @@ def start_engine_runner(
     process: EngineProcess | None,
     adapters: tuple[Adapter, ...] = (),
 ) -> EngineRunner:
-    """Build the model's engine in `process` (launched by launch_engine_process) or, without one, in
-    a thread of the stub, with its LoRA `adapters` loaded once; returns its runner, built. Raises
-    what the build raised (EngineBuildError for settings this backend refuses, or a bad adapter)."""
-    from triton_vllm_multistep.engine.loop import serving_loop
-
+    """Build the model's engine in `process` (launched by launch_engine_process; it checks
+    `engine_values` against its vLLM and builds the EngineArgs itself) or, without one, in a thread
+    of the stub (from `engine_args`, built here), with its LoRA `adapters` loaded once; returns its
+    runner, built. Raises what the build raised (a ConfigError for model.json fields vLLM refuses,
+    EngineBuildError for settings this backend refuses, or a bad adapter)."""
     engine_mode = engine_stream_mode(settings.stream_mode)
     plain_adapters = tuple(adapter.engine_value() for adapter in adapters)
     if process is not None:
@@ -109,6 +110,8 @@ def start_engine_runner(
         )
         process.start_engine()
         return process
+    from triton_vllm_multistep.engine.loop import serving_loop
+
     runner = serving_loop(engine_args, engine_mode, user_threads, plain_adapters)
     runner.start_engine()  # a failed build has ended the engine thread
     return runner
@@ -146,11 +149,12 @@ def place_engine(
         )
 
 
-def place_v1_engine(cpus: tuple[int, ...], model_config: dict[str, Any], model_name: str) -> None:
-    """place_engine for a V1 model: vLLM 0.32 is not importable here, so a host without GPUs is taken
-    for its CPU platform (stub/device.py), whose worker binds its torch threads to `cpus` (the
-    user's OMP_NUM_THREADS or VLLM_CPU_OMP_THREADS_BIND then disagree with engine_cpus: a load error
-    naming both); on a GPU host the user's thread settings stand."""
+def place_engine_process(cpus: tuple[int, ...], model_config: dict[str, Any], model_name: str) -> None:
+    """place_engine for an engine process, either engine's: the stub imports no vLLM (vLLM 0.32 is not
+    even importable here), so a host without GPUs is taken for vLLM's CPU platform (stub/device.py),
+    whose worker binds its torch threads to `cpus` (the user's OMP_NUM_THREADS or
+    VLLM_CPU_OMP_THREADS_BIND then disagree with engine_cpus: a load error naming both); on a GPU
+    host the user's thread settings stand."""
     on_cpu = gpu_count() == 0
     place_engine(cpus, model_config, cpu_placement.thread_choice_of_user(), model_name, engine_on_cpu=on_cpu)
 
@@ -171,8 +175,8 @@ class ModelServer:
         # The one thread that calls into Triton: this one until the response thread starts, then it.
         self.caller = triton_io.TritonCaller()
         self.model_settings = self._read_settings(args)
-        engine_args = self._start_engine(args)
-        self._wire_response_path(args, engine_args)
+        tokenizer = self._start_engine(args)
+        self._wire_response_path(args, tokenizer)
         self._log_ready()
 
     def _read_settings(self, args: dict[str, str]) -> ModelSettings:
@@ -196,9 +200,9 @@ class ModelServer:
         self.adapters = model.adapters
         return model
 
-    def _start_engine(self, args: dict[str, str]) -> Any:
+    def _start_engine(self, args: dict[str, str]) -> TokenizerSource | None:
         """Phase 2: the engine built and its runner started (in a process of its own unless settings
-        say otherwise); returns the EngineArgs, which the stub's tokenizers follow (None on V1)."""
+        say otherwise); returns where the stub's tokenizers load from (None on V1: it has none)."""
         model, settings = self.model_settings, self.settings
         # The environment the engine runs with, set before the engine process starts (it inherits it).
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_space_gib))
@@ -211,23 +215,17 @@ class ModelServer:
             assert engine_process is not None  # a V1 model's engine always has a process (or the load failed)
             return self._start_v1_engine(engine_process)
         try:
-            from triton_vllm_multistep.engine.factory import EngineBuildError
-
-            values = engine_values(model.engine_args)  # checked against vLLM's fields (imports vLLM)
-            built_args = to_engine_args(values)
-            user_threads = (
-                cpu_placement.thread_choice_of_user()
-            )  # before the build: vLLM sets OMP_NUM_THREADS during it
-            if settings.engine_cpus:
-                from vllm.platforms import current_platform
-
-                place_engine(
-                    settings.engine_cpus,
-                    dict(model.model_config),
-                    user_threads,
-                    self.model_name,
-                    engine_on_cpu=current_platform.is_cpu(),
-                )
+            # Before the build: vLLM sets OMP_NUM_THREADS during it.
+            user_threads = cpu_placement.thread_choice_of_user()
+            if engine_process is not None:
+                # The engine process checks model.json against its vLLM and builds the EngineArgs: this
+                # stub imports no vLLM (nor torch: stub/model_tokenizer.py).
+                if settings.engine_cpus:
+                    place_engine_process(settings.engine_cpus, dict(model.model_config), self.model_name)
+                values, built_args = dict(model.engine_args), None
+            else:
+                values = engine_values(model.engine_args)  # checked against vLLM's fields (imports vLLM)
+                built_args = to_engine_args(values)
             try:
                 self.loop: EngineRunner = start_engine_runner(
                     settings, values, built_args, user_threads, engine_process, self.adapters or ()
@@ -240,7 +238,7 @@ class ModelServer:
                 engine_process.stop()  # started early, never used (a refused setting, a failed build)
             raise
         self.engine_in_process = engine_process is not None
-        return built_args
+        return TokenizerSource.of_engine_args(model.engine_args)
 
     def _start_v1_engine(self, engine_process: EngineProcess) -> None:
         """Phase 2 for `vllm_engine: v1`: the engine arguments go to the V1 environment as they are
@@ -249,7 +247,7 @@ class ModelServer:
         it); the engine process tokenizes text prompts and detokenizes each step."""
         model, settings = self.model_settings, self.settings
         if settings.engine_cpus:
-            place_v1_engine(settings.engine_cpus, dict(model.model_config), self.model_name)
+            place_engine_process(settings.engine_cpus, dict(model.model_config), self.model_name)
         engine_process.spec = EngineSpec(
             dict(model.engine_args),
             "step",
@@ -258,8 +256,6 @@ class ModelServer:
             max_prompt_tokens=settings.limits.max_prompt_tokens,
             lora_adapters=tuple(adapter.engine_value() for adapter in self.adapters or ()),
         )
-        from triton_vllm_multistep.engine.events import EngineBuildError
-
         try:
             engine_process.start_engine()
         except BaseException as error:
@@ -271,25 +267,27 @@ class ModelServer:
         self.engine_in_process = True
         return None
 
-    def _wire_response_path(self, args: dict[str, str], engine_args: Any) -> None:
+    def _wire_response_path(self, args: dict[str, str], tokenizer: TokenizerSource | None) -> None:
         """Phase 3: what execute() needs, the metrics, the response thread and the drain watcher; then
         the engine starts serving. A failure here shuts the engine down."""
         try:
-            self._prepare_requests(engine_args)
+            self._prepare_requests(tokenizer)
             self._start_observers(args)
-            self._start_responder(engine_args)
+            self._start_responder(tokenizer)
         except BaseException:
             self.loop.shutdown()
             raise
 
-    def _prepare_requests(self, engine_args: Any) -> None:
-        """execute()'s tokenizer (none for a V1 model: `engine_args` None; its engine process reports
+    def _prepare_requests(self, tokenizer: TokenizerSource | None) -> None:
+        """execute()'s tokenizer (none for a V1 model: `tokenizer` None; its engine process reports
         the vocabulary of model and tokenizer both) and the model's request limits."""
         facts = self.loop.facts
-        checks_with_vllm = engine_args is not None  # a V1 model's engine process checks its requests
+        # An engine process checks its requests' sampling fields with its vLLM (refusing that request
+        # alone); an engine in this stub has vLLM here to check them before they are queued.
+        checks_with_vllm = not self.engine_in_process
         if checks_with_vllm:
             codec.import_sampling_checks()  # here, not first in execute(): see there
-        self._tokenizer = None if engine_args is None else self._load_tokenizer(engine_args)
+        self._tokenizer = None if tokenizer is None else self._load_tokenizer(tokenizer)
         vocab_size = facts.vocab_size if self._tokenizer is None else token_ids_of(self._tokenizer, facts.vocab_size)
         self.limits = codec.ModelLimits(
             vocab_size=vocab_size,
@@ -325,7 +323,7 @@ class ModelServer:
 
         self.restart_count = self._instance_series(RestartCount, args)
 
-    def _start_responder(self, engine_args: Any) -> None:
+    def _start_responder(self, tokenizer: TokenizerSource | None) -> None:
         """The response thread, the engine serving into it, and the drain watcher."""
         from triton_vllm_multistep.stub.responder import Responder
 
@@ -337,8 +335,8 @@ class ModelServer:
             merge_when_behind=self.settings.stream_mode == "merge",
             caller=self.caller,
         )
-        if engine_args is not None:  # a V1 model has no detokenization windows (refused per request)
-            self.responder.window_decode = window_decoder(self._load_tokenizer(engine_args))
+        if tokenizer is not None:  # a V1 model has no detokenization windows (refused per request)
+            self.responder.window_decode = window_decoder(self._load_tokenizer(tokenizer))
         self.responder.after_engine_death = self._after_engine_death_answered
         if self.heartbeat is not None:
             self.responder.heartbeat = self.heartbeat.beat
@@ -409,17 +407,10 @@ class ModelServer:
         cpus = self.settings.engine_cpus
         return f" on CPUs {cpu_placement.cpu_list_text(cpus)}" if cpus else ""
 
-    @staticmethod
-    def _load_tokenizer(engine_args: Any) -> Any:
-        """A tokenizer of our own for execute(): fast tokenizers are not safe to share across threads."""
-        from vllm.transformers_utils.tokenizer import get_tokenizer
-
-        return get_tokenizer(
-            engine_args.tokenizer or engine_args.model,
-            tokenizer_mode=engine_args.tokenizer_mode,
-            trust_remote_code=engine_args.trust_remote_code,
-            revision=engine_args.tokenizer_revision,
-        )
+    def _load_tokenizer(self, source: TokenizerSource) -> Any:
+        """A tokenizer of its own for each thread that uses one: fast tokenizers are not safe to share
+        across threads. Through vLLM's get_tokenizer only where the engine has loaded vLLM here."""
+        return load_tokenizer(source, with_vllm=not self.engine_in_process)
 
     def execute(self, requests: list[Any]) -> None:
         """Validate and enqueue; responses come from the responder thread."""
