@@ -111,7 +111,7 @@ class Admissions:
             return
         try:
             params = sampling_params(request.sampling) if pooling is None else pooling
-        except (ValueError, TypeError) as error:  # vLLM's own checks of the fields (the stub imports no vLLM)
+        except Exception as error:  # vLLM's own checks of the fields (the stub imports no vLLM): that request alone
             self._refuse(request.request_id, f"{request.sampling_source}: {error}")
             return
         try:

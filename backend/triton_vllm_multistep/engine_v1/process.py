@@ -230,7 +230,7 @@ class EngineThread:
         try:
             if request.pooling is None:
                 params = sampling_params(request.sampling)
-        except (ValueError, TypeError) as error:  # V1's own checks of the fields, as the multi-step engine's
+        except Exception as error:  # V1's own checks of the fields (its VLLMValidationError is no ValueError)
             self.send(RequestFailed(request.request_id, f"{request.sampling_source}: {error}"))
             return
         try:
