@@ -63,11 +63,14 @@ def test_the_engine_is_built_and_stepped_in_the_engine_thread_with_its_torch_thr
         assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 2, 3, 4, 5, 6]  # one output per step
         assert outputs[-1].finished
         loop.submit(EngineRequest("bad", (1, 10**7), {"max_tokens": 2}))  # a token id outside the vocabulary
+        # A field vLLM's SamplingParams refuses (the stub of an engine process imports no vLLM to check it).
+        loop.submit(EngineRequest("top_p", (1, 5), {"max_tokens": 2, "top_p": 1.5}, sampling_source="parameters"))
         deadline = time.monotonic() + 30
-        while not any(isinstance(e, RequestFailed) for e in events) and time.monotonic() < deadline:
+        while sum(isinstance(e, RequestFailed) for e in events) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-        failed = [e for e in events if isinstance(e, RequestFailed)]
-        assert [e.request_id for e in failed] == ["bad"] and loop.healthy
+        failed = {e.request_id: e.message for e in events if isinstance(e, RequestFailed)}
+        assert sorted(failed) == ["bad", "top_p"] and loop.healthy
+        assert failed["top_p"] == "parameters: top_p must be in (0, 1], got 1.5.", failed
     finally:
         loop.stop()
         engine.model_executor.shutdown()

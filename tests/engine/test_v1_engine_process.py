@@ -137,16 +137,22 @@ def test_the_v1_engine_streams_one_output_per_step_with_offline_v1s_tokens(
     assert collector.states[-1].total_blocks > 0
 
 
-def test_a_field_v1_removed_fails_its_request_alone_and_an_abort_ends_a_stream(v1_process: Relay) -> None:
-    collector = EventCollector(expected=2)  # best_of failed, short finished (an aborted request ends silently)
+def test_a_field_v1_removed_or_refuses_fails_its_request_alone_and_an_abort_ends_a_stream(v1_process: Relay) -> None:
+    """vLLM 0.32's refusal of a field (its VLLMValidationError, no ValueError) fails that request alone,
+    named by where its fields came from; the engine goes on."""
+    collector = EventCollector(expected=3)  # best_of and top_p failed, short finished (an abort ends silently)
     v1_process.to(collector.sink)
     process = v1_process.process
     process.submit(EngineRequest("best_of", (1, 2), {"max_tokens": 4, "best_of": 3, "output_kind": DELTA}))
+    top_p = {"max_tokens": 4, "top_p": 1.5, "output_kind": DELTA}
+    process.submit(EngineRequest("top_p", (1, 2), top_p, sampling_source="parameters"))
     process.submit(EngineRequest("long", (1, 2, 3), {"max_tokens": 200, "ignore_eos": True, "output_kind": DELTA}))
     process.submit(EngineRequest("short", (4, 5), {"max_tokens": 30, "ignore_eos": True, "output_kind": DELTA}))
     process.abort("long")
     assert collector.done.wait(300)
-    assert list(collector.failed) == ["best_of"] and "vLLM's V1 engine removed best_of" in collector.failed["best_of"]
+    assert sorted(collector.failed) == ["best_of", "top_p"]
+    assert collector.failed["best_of"].startswith("sampling_parameters: best_of=3: vLLM's V1 engine removed best_of")
+    assert collector.failed["top_p"].startswith("parameters: top_p must be in (0, 1], got 1.5"), collector.failed
     assert collector.finished() == {"short"}
     assert sum(len(d) for d in collector.deltas().get("long", [])) < 200
 
