@@ -407,7 +407,9 @@ if __name__ == "__main__":
     # The engine process's entry (`python -m triton_vllm_multistep.engine.process FD`), through the
     # package's module so that pickled names resolve to one copy of it.
     from triton_vllm_multistep.engine import process
+    from triton_vllm_multistep.logs import log_package_to_stderr
 
+    log_package_to_stderr()
     process.prepare(use_ipex=sys.argv[2] == IPEX_ARGUMENT[True], placement=sys.argv[3])
     process.serve_engine(Connection(int(sys.argv[1])))
     # The engine and its executor are shut down: skip the interpreter's teardown of torch and vLLM

@@ -335,7 +335,9 @@ def serve_engine(connection: Connection) -> None:
 
 if __name__ == "__main__":
     from triton_vllm_multistep.engine_v1 import process
+    from triton_vllm_multistep.logs import log_package_to_stderr
 
+    log_package_to_stderr()
     if sys.argv[3] != cpu_placement.ALL_CPUS:
         cpu_placement.pin_process(cpu_placement.parse_cpu_list(sys.argv[3]))
     process.serve_engine(Connection(int(sys.argv[1])))

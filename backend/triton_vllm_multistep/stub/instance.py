@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import json
-import logging
 import os
 import time
 import uuid
@@ -23,6 +22,7 @@ from triton_vllm_multistep.engine.events import EngineBuildError, EngineRunner, 
 from triton_vllm_multistep.engine.process import EngineProcess, EngineProcessError, EngineSpec, NoPythonForEngineProcess
 from triton_vllm_multistep.interface import INPUT_NAMES, INPUTS, OUTPUT_NAMES, OUTPUTS, UNHEALTHY_ENGINE_MESSAGE
 from triton_vllm_multistep.lifecycle import drain, protocol, triton_command
+from triton_vllm_multistep.logs import log_package_to_stderr
 from triton_vllm_multistep.settings import Adapter, BackendSettings, ConfigError, ModelSettings, read_model_settings
 from triton_vllm_multistep.settings.backend import engine_stream_mode, instance_count
 from triton_vllm_multistep.stub import codec, triton_io
@@ -32,13 +32,7 @@ from triton_vllm_multistep.stub.model_tokenizer import TokenizerSource, load_tok
 
 # Load errors caused by settings or set-up, not by a bug: their message is all a user needs.
 SETTINGS_ERRORS = (ConfigError, DemoModelError)
-logger = logging.getLogger("triton_vllm_multistep")
-if not logger.handlers:  # the stub's stderr is Triton's log; say who is speaking
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
-    logger.addHandler(_handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+logger = log_package_to_stderr()  # the stub's stderr is Triton's log; say who is speaking
 
 
 def auto_complete(auto_config: Any) -> Any:
