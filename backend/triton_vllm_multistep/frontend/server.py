@@ -23,6 +23,7 @@ from typing import Any
 
 from triton_vllm_multistep.frontend import v1_servers
 from triton_vllm_multistep.frontend.tap_listener import OutputTap, tap_wanted
+from triton_vllm_multistep.logs import SERVER_LOG_FORMAT
 from triton_vllm_multistep.settings import ModelSettings, read_model_settings
 
 BACKEND_NAME = "vllm_multistep"
@@ -227,7 +228,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format=SERVER_LOG_FORMAT)
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if os.environ.get(LOOP_ENV, "asyncio") == "uvloop" and importlib.util.find_spec("uvloop") is not None:

@@ -13,10 +13,11 @@ import argparse
 import asyncio
 import ctypes
 import json
-import logging
 import signal
 import sys
 from typing import Any
+
+from triton_vllm_multistep.logs import log_server_to_stderr
 
 PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
 
@@ -83,10 +84,7 @@ def die_with_parent() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
-    # This project's lines as the multi-step models' server logs them (vLLM's loggers keep their own
-    # handlers; vLLM's serve raises the root logger's level, so the project's logger holds its own).
-    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("triton_vllm_multistep").setLevel(logging.INFO)
+    log_server_to_stderr()  # this project's lines as the multi-step models' server logs them
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         asyncio.run(serve(args))
