@@ -227,12 +227,12 @@ class EngineThread:
             raise EngineDeadError()
 
     def _admit(self, request: EngineRequest) -> None:
-        try:
-            if request.pooling is None:
+        if request.pooling is None:
+            try:
                 params = sampling_params(request.sampling)
-        except Exception as error:  # V1's own checks of the fields (its VLLMValidationError is no ValueError)
-            self.send(RequestFailed(request.request_id, f"{request.sampling_source}: {error}"))
-            return
+            except Exception as error:  # V1's own checks of the fields (its VLLMValidationError is no ValueError)
+                self.send(RequestFailed(request.request_id, f"{request.sampling_source}: {error}"))
+                return
         try:
             if request.pooling is not None:
                 params = pooling_params(request.pooling)
