@@ -98,6 +98,14 @@ def main() -> None:
         help="the src/ folder of a triton-inference-server/vllm_backend checkout (r25.05): needed by the "
         "triton_vllm_backend configuration (Triton's vLLM backend on the same engine, a peer)",
     )
+    parser.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="measure every level N times on new servers, started as named, then in reverse order, in turn "
+        "(a server's start position moves its forward pass by up to ~10%% on a 2-core VM; "
+        "docs/performance.md): 2 for a ratio between configurations (the #32 targets)",
+    )
     parser.add_argument("--skip-offline", action="store_true", help="reuse the offline figures of --output")
     parser.add_argument("--output", type=Path, default=None, help="default benchmarks/results/served.json")
     args = parser.parse_args()
@@ -141,6 +149,7 @@ def main() -> None:
                 args.model,
                 engines,
                 args.triton_vllm_backend,
+                args.passes,
             )
         if engines is not None:
             offline = engines.results()

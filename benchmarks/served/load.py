@@ -244,6 +244,10 @@ def _cpu_now(groups: dict[str, list[Any]], me: Any) -> dict[str, float]:
     }
 
 
+def new_tally() -> LevelTally:
+    return LevelTally([], [], [], 0.0, dict.fromkeys(("tritonserver", "stub", "engine", "client"), 0.0))
+
+
 async def run_level(
     servers: dict[str, Any],
     kinds: dict[str, str],
@@ -253,12 +257,15 @@ async def run_level(
     offset: int,
     offline: OfflineEngines | None = None,
     outputs: dict[str, list[str] | None] | None = None,
-) -> dict[str, dict[str, Any]]:
+    tallies: dict[str, LevelTally] | None = None,
+) -> dict[str, LevelTally]:
     """Waves at one concurrency on every server, interleaved: wave k runs on each configuration in
     turn (the order rotating), then offline on the same prompts, so that the figures a ratio
     compares are taken seconds apart and a shared host's drift hits them alike. Each server's CPU
     time is counted over its own waves. `kinds`: each server's kind ("backend" or a peer's);
-    `outputs`: the outputs each server's client asks for (absent: all)."""
+    `outputs`: the outputs each server's client asks for (absent: all). The waves are added to
+    `tallies` (a new one per configuration where absent: an earlier pass's waves are kept, in
+    order, so that wave k of every configuration still shares a round); `summarize` makes figures."""
     import psutil
 
     names = list(servers)
@@ -266,10 +273,9 @@ async def run_level(
     clients = {name: streams_for(servers[name], kinds[name], max_tokens, wanted.get(name)) for name in names}
     groups = {name: servers[name].process_groups() for name in names}
     me = psutil.Process()
-    tallies = {
-        name: LevelTally([], [], [], 0.0, dict.fromkeys(("tritonserver", "stub", "engine", "client"), 0.0))
-        for name in names
-    }
+    tallies = {} if tallies is None else tallies
+    for name in names:
+        tallies.setdefault(name, new_tally())
     try:
         for name in names:  # one unmeasured wave each: connections, first-call paths, batch shapes
             await run_wave(clients[name], concurrency, offset)
@@ -295,10 +301,11 @@ async def run_level(
     finally:
         for client in clients.values():
             await client.close()
-    return {name: summarize(tallies[name], concurrency, waves, max_tokens) for name in names}
+    return tallies
 
 
 def summarize(tally: LevelTally, concurrency: int, waves: int, max_tokens: int) -> dict[str, Any]:
+    """One configuration's figures at one level, over every wave of its tally (`waves`: per pass)."""
     records = tally.records
     tokens = sum(r.tokens for r in records)
     errors = sum(1 for r in records if r.error or r.tokens != max_tokens)

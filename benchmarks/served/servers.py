@@ -96,6 +96,14 @@ def start_configuration(
     return start_server(repository, log, environment=config.environment)
 
 
+def start_order(names: list[str], pass_index: int) -> list[str]:
+    """The order a pass starts its servers in: as named, then reversed, alternately. On this host the
+    server started first runs its forward pass up to ~10% slower than the same configuration started
+    later, whatever it is (docs/performance.md, "The start position"): two passes give every
+    configuration both ends."""
+    return list(names) if pass_index % 2 == 0 else list(reversed(names))
+
+
 def run_served(
     names: list[str],
     concurrencies: list[int],
@@ -105,53 +113,73 @@ def run_served(
     model: str,
     offline: OfflineEngines | None = None,
     triton_vllm_backend: Path | None = None,
+    passes: int = 1,
 ) -> list[dict[str, Any]]:
     """One server per configuration, started one after the other (start-up and idle memory are
-    measured while the others idle), then every concurrency level on all of them, interleaved."""
-    servers: dict[str, Any] = {}
+    measured while the others idle), then every concurrency level on all of them, interleaved. With
+    `passes` > 1 all of that again on new servers, started in the other order (`start_order`); each
+    configuration's figures are over the waves of every pass (start-up and memory: the first pass)."""
     served: dict[str, dict[str, Any]] = {}
-    try:
+    tallies: dict[int, dict[str, load.LevelTally]] = {concurrency: {} for concurrency in concurrencies}
+    for pass_index in range(passes):
+        order = start_order(names, pass_index)
+        if passes > 1:
+            print(f"pass {pass_index + 1} of {passes}: servers started in the order {', '.join(order)}", flush=True)
+        servers: dict[str, Any] = {}
+        (workdir / f"pass{pass_index}").mkdir(parents=True, exist_ok=True)
+        try:
+            for name in order:
+                config = CONFIGS[name]
+                server, ready = start_configuration(name, workdir / f"pass{pass_index}", model, triton_vllm_backend)
+                servers[name] = server
+                print(f"{config.label}: READY after {ready:.1f} s", flush=True)
+                time.sleep(3.0)  # let start-up allocations settle before reading idle memory
+                served.setdefault(
+                    name,
+                    {
+                        "name": name,
+                        "label": config.label,
+                        "num_scheduler_steps": config.num_scheduler_steps,
+                        "stream_mode": config.stream_mode,
+                        "server": config.server,
+                        "ready_seconds": ready,
+                        "torch_threads": logged_torch_threads(server),
+                        "attention_kernels": logged_attention_kernels(server),
+                        "idle_memory": memory_of(server),
+                        "passes": passes,
+                        "levels": [],
+                    },
+                )
+            # Rounds keep the named order in every pass, so that wave k of each configuration is one round.
+            ordered = {name: servers[name] for name in names}
+            for index, concurrency in enumerate(concurrencies):
+                waves = load.waves_for(concurrency, wave_scale)
+                asyncio.run(
+                    load.run_level(
+                        ordered,
+                        {name: CONFIGS[name].server for name in names},
+                        concurrency,
+                        waves,
+                        max_tokens,
+                        10_000 * (index + 1),
+                        offline,
+                        {name: CONFIGS[name].client_outputs for name in names},
+                        tallies[concurrency],
+                    )
+                )
+                for name in names:
+                    level = load.summarize(tallies[concurrency][name], concurrency, waves, max_tokens)
+                    print(
+                        f"  {served[name]['label']}, c={concurrency:3d}: {level['tokens_per_s']:8.1f} tok/s"
+                        f"  ttft p50 {level['ttft_ms']['p50']:.1f} ms  itl p50 {level['itl_ms']['p50']:.2f} ms"
+                        f"  errors {level['errors']}" + (f"  (passes so far: {pass_index + 1})" if passes > 1 else ""),
+                        flush=True,
+                    )
+        finally:
+            for server in servers.values():
+                server.stop()
+    for concurrency in concurrencies:
+        waves = load.waves_for(concurrency, wave_scale)
         for name in names:
-            config = CONFIGS[name]
-            label, steps, mode = config.label, config.num_scheduler_steps, config.stream_mode
-            server, ready = start_configuration(name, workdir, model, triton_vllm_backend)
-            servers[name] = server
-            print(f"{label}: READY after {ready:.1f} s", flush=True)
-            time.sleep(3.0)  # let start-up allocations settle before reading idle memory
-            served[name] = {
-                "name": name,
-                "label": label,
-                "num_scheduler_steps": steps,
-                "stream_mode": mode,
-                "server": config.server,
-                "ready_seconds": ready,
-                "torch_threads": logged_torch_threads(server),
-                "attention_kernels": logged_attention_kernels(server),
-                "idle_memory": memory_of(server),
-                "levels": [],
-            }
-        for index, concurrency in enumerate(concurrencies):
-            levels = asyncio.run(
-                load.run_level(
-                    servers,
-                    {name: CONFIGS[name].server for name in names},
-                    concurrency,
-                    load.waves_for(concurrency, wave_scale),
-                    max_tokens,
-                    10_000 * (index + 1),
-                    offline,
-                    {name: CONFIGS[name].client_outputs for name in names},
-                )
-            )
-            for name, level in levels.items():
-                served[name]["levels"].append(level)
-                print(
-                    f"  {served[name]['label']}, c={concurrency:3d}: {level['tokens_per_s']:8.1f} tok/s"
-                    f"  ttft p50 {level['ttft_ms']['p50']:.1f} ms  itl p50 {level['itl_ms']['p50']:.2f} ms"
-                    f"  errors {level['errors']}",
-                    flush=True,
-                )
-    finally:
-        for server in servers.values():
-            server.stop()
+            served[name]["levels"].append(load.summarize(tallies[concurrency][name], concurrency, waves, max_tokens))
     return [served[name] for name in names]
