@@ -15,7 +15,9 @@ the demo model) with the shipped model.json settings and a 1 GiB KV cache:
    --triton-vllm-backend) and `vllm serve` (`vllm_serve`, streaming /v1/completions);
 
 at each concurrency (1, 8, 32, 64 streams by default). One server per configuration, started
-one after the other and all kept running. At each level the waves alternate between them (the
+one after the other and all kept running (`--passes 2`: all of it again on new servers started in
+the reverse order, since the server started first runs slower on this host; for a ratio, name its
+two configurations first and last). At each level the waves alternate between them (the
 order rotating) and after each round the offline engines run the same batch, so that the
 figures a ratio compares are taken seconds apart and a shared host's drift hits them alike (the
 processes not being measured sit idle). The load generator is `tritonclient.grpc.aio`:
