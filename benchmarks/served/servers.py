@@ -134,9 +134,8 @@ def run_served(
                 servers[name] = server
                 print(f"{config.label}: READY after {ready:.1f} s", flush=True)
                 time.sleep(3.0)  # let start-up allocations settle before reading idle memory
-                served.setdefault(
-                    name,
-                    {
+                if name not in served:  # start-up and idle memory: the first pass's
+                    served[name] = {
                         "name": name,
                         "label": config.label,
                         "num_scheduler_steps": config.num_scheduler_steps,
@@ -148,8 +147,7 @@ def run_served(
                         "idle_memory": memory_of(server),
                         "passes": passes,
                         "levels": [],
-                    },
-                )
+                    }
             # Rounds keep the named order in every pass, so that wave k of each configuration is one round.
             ordered = {name: servers[name] for name in names}
             for index, concurrency in enumerate(concurrencies):
