@@ -99,8 +99,8 @@ def start_configuration(
 def start_order(names: list[str], pass_index: int) -> list[str]:
     """The order a pass starts its servers in: as named, then reversed, alternately. On this host the
     server started first runs its forward pass up to ~10% slower than the same configuration started
-    later, whatever it is (docs/performance.md, "The start position"): two passes give every
-    configuration both ends."""
+    later, whatever it is (docs/performance.md, "the start position"): in two passes the configurations
+    named first and last each start first once (one named between them never does)."""
     return list(names) if pass_index % 2 == 0 else list(reversed(names))
 
 
