@@ -34,7 +34,7 @@ from private_servers import (
     stub_processes,
     wait_for,
 )
-from triton_clients import StreamResult, grpc_generate
+from triton_clients import StreamResult, grpc_generate, grpc_server_ready
 
 from triton_vllm_multistep.interface import UNHEALTHY_ENGINE_MESSAGE
 from triton_vllm_multistep.lifecycle.protocol import DRAIN_FILE_ENV
@@ -292,22 +292,24 @@ def test_the_auto_complete_stub_is_guarded_its_health_thread_kept_running_and_it
         # Triton's stub argument 8 is the model's name for it (an instance's for the others).
         return [p for p in stub_processes(server) if p.cmdline()[8:9] == [LOAD_STALLED]]
 
-    # It lives about a second and a half: looked for every 5 ms.
-    assert wait_for(auto_complete_stub, 60, interval=0.005), "no auto-complete stub was started"
-    (stub,) = auto_complete_stub()
-    guarded = wait_for(
-        lambda: [p for p in server.process_groups()["guard"] if p.cmdline()[3:4] == [str(stub.pid)]], 30, interval=0.005
-    )
-    assert guarded, "the auto-complete stub has no guard"
-    assert wait_for(lambda: guard.health_thread(stub.pid), 5, interval=0.005)
-    health = guard.health_thread(stub.pid)  # found by its nanosleep: looked for while the stub runs
-    if os.geteuid() == 0:  # CAP_SYS_NICE: the guard may raise it (on finding it; it looks every 100 ms)
-        assert wait_for(lambda: os.sched_getscheduler(health) == os.SCHED_RR, 1.0, interval=0.005)
-    with stopped([stub], 1.5):
-        pass
-    loading.join(timeout=120)
-    assert not loading.is_alive()
-    try:
+    try:  # whatever fails, the model is unloaded: the module's later tests count this server's stubs
+        # It lives about a second and a half: looked for every 5 ms.
+        assert wait_for(auto_complete_stub, 60, interval=0.005), "no auto-complete stub was started"
+        (stub,) = auto_complete_stub()
+        guarded = wait_for(
+            lambda: [p for p in server.process_groups()["guard"] if p.cmdline()[3:4] == [str(stub.pid)]],
+            30,
+            interval=0.005,
+        )
+        assert guarded, "the auto-complete stub has no guard"
+        assert wait_for(lambda: guard.health_thread(stub.pid), 5, interval=0.005)
+        health = guard.health_thread(stub.pid)  # found by its nanosleep: looked for while the stub runs
+        if os.geteuid() == 0:  # CAP_SYS_NICE: the guard may raise it (on finding it; it looks every 100 ms)
+            assert wait_for(lambda: os.sched_getscheduler(health) == os.SCHED_RR, 1.0, interval=0.005)
+        with stopped([stub], 1.5):
+            pass
+        loading.join(timeout=120)
+        assert not loading.is_alive()
         assert model_ready(server, LOAD_STALLED)
         assert wait_for(lambda: not psutil.pid_exists(stub.pid), 30)
         time.sleep(2 * watch.POLL_SECONDS)  # the guard's reading after the exit
@@ -317,6 +319,7 @@ def test_the_auto_complete_stub_is_guarded_its_health_thread_kept_running_and_it
         assert "is lost" not in log and "is not healthy" not in log and "lock_exception" not in log
         assert server.process.poll() is None
     finally:
+        loading.join(timeout=120)  # an unload must not overlap the load (docs/lifecycle.md)
         client.unload_model(LOAD_STALLED)
         client.close()
 
@@ -436,6 +439,9 @@ def test_a_stub_lost_to_a_stall_of_it_and_its_guard_brings_the_server_back_resta
     assert_taken_down_for(log, f"{MODEL}_0_0", stub.pid, server.log_tail())
     assert "--restart-on-crash: starting it again (restart 1)" in log
     assert metric(scrape(server), "vllm_multistep:server_restarts_total", MODEL) == 1
+    # This client's gRPC connection to the port saw the old tritonserver die: gRPC may fail new calls
+    # at once until its reconnect backoff ends. The restarted server is ready; wait for the connection.
+    assert wait_for(lambda: grpc_server_ready(server.grpc_url), 60), "no gRPC connection to the restarted server"
     after = grpc_generate(server.grpc_url, MODEL, prompt="restarted", sampling=SHORT, stream=True)
     assert after.finals == 1 and after.error is None and len(after.token_ids()) == 4
 

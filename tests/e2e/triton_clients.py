@@ -115,6 +115,17 @@ def _arrays(result: Any) -> dict[str, np.ndarray]:
     return {output.name: result.as_numpy(output.name) for output in response.outputs}
 
 
+def grpc_server_ready(url: str) -> bool:
+    """Triton answers "ready" over gRPC from this process (a fresh client; any failure is a no)."""
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        return bool(client.is_server_ready())
+    except Exception:
+        return False
+    finally:
+        client.close()
+
+
 def grpc_generate(
     url: str,
     model: str,

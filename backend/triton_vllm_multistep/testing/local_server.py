@@ -202,6 +202,8 @@ class ServerProcess:
             if not procfs.alive(pid):
                 continue
             if triton_command.is_python_backend_stub(argv):
+                if triton_command.is_python_backend_stub(procfs.cmdline(procfs.parent(pid) or 0)):
+                    continue  # a stub's child between fork and exec (its guard, its engine) still shows the stub's argv
                 groups["stub"].append(pid)
             elif stubguard_entry in argv:
                 groups["guard"].append(pid)  # each stub's stall guard (stubguard/)
