@@ -126,11 +126,12 @@ def run_served(
         if passes > 1:
             print(f"pass {pass_index + 1} of {passes}: servers started in the order {', '.join(order)}", flush=True)
         servers: dict[str, Any] = {}
-        (workdir / f"pass{pass_index}").mkdir(parents=True, exist_ok=True)
+        pass_dir = workdir / f"pass{pass_index}"  # each pass's repositories and logs
+        pass_dir.mkdir(parents=True, exist_ok=True)
         try:
             for name in order:
                 config = CONFIGS[name]
-                server, ready = start_configuration(name, workdir / f"pass{pass_index}", model, triton_vllm_backend)
+                server, ready = start_configuration(name, pass_dir, model, triton_vllm_backend)
                 servers[name] = server
                 print(f"{config.label}: READY after {ready:.1f} s", flush=True)
                 time.sleep(3.0)  # let start-up allocations settle before reading idle memory
